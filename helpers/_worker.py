@@ -1,0 +1,148 @@
+"""The first code a worker process runs: make it look like a torchrun worker, run the cell's function, report.
+
+Why this is careful: a worker forked from a Jupyter kernel inherits the kernel's ZMQ-backed sys.stdout, its signal
+handlers and its process group. Left alone, a print would write into the kernel's sockets, a cell interrupt would
+raise KeyboardInterrupt in every worker, and a killed worker's children would outlive it. So the worker gets its
+own session (one signal kills it and everything it started), plain files as stdout and stderr (the launcher tails
+them, so output can never fill a pipe and block), a faulthandler that dumps its Python stack on SIGUSR1 (how a
+timeout shows where each rank was stuck), and it reports its return value or its exception through a file.
+"""
+from __future__ import annotations
+
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+
+STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+
+def _reopen_std_streams(out_path: str, err_path: str) -> None:
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", line_buffering=True, write_through=True)
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+
+
+def _dump(path: str, record: dict) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
+    os.replace(path + ".tmp", path)
+
+
+def _result_pickler(buffer):
+    """cloudpickle (notebook-defined classes travel by value), with device tensors brought to the CPU.
+
+    A CUDA tensor unpickled in the kernel would initialise CUDA there and make every later fork unsafe.
+    """
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+                return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return super().reducer_override(obj)
+
+    return Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _error_record(rank: int, exc: BaseException, tb: str) -> dict:
+    record = {"rank": rank, "type": type(exc).__qualname__, "module": type(exc).__module__,
+              "message": str(exc), "traceback": tb, "time": time.time(), "exception": None}
+    if isinstance(exc, SystemExit):
+        record["message"] = f"the worker called sys.exit({exc.code!r}) instead of returning"
+    try:
+        record["exception"] = pickle.dumps(exc)
+        pickle.loads(record["exception"])
+    except Exception:
+        record["exception"] = None
+    return record
+
+
+def run_worker(payload, rank: int, spec: dict) -> None:
+    """Entry point of every worker (fork or spawn). Never returns: ends the process with os._exit."""
+    run_dir = spec["run_dir"]
+    exit_code = 1
+    try:
+        if hasattr(os, "setsid"):
+            try:
+                os.setsid()
+            except PermissionError:  # spawned with start_new_session: already a session leader
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _reopen_std_streams(os.path.join(run_dir, f"out.{rank}"), os.path.join(run_dir, f"err.{rank}"))
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        if STACK_SIGNAL is not None:
+            stack_file = open(os.path.join(run_dir, f"stack.{rank}"), "w")
+            faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
+        os.environ.update(spec["env"])
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank)})
+
+        if "torch" in sys.modules:  # forked: torch's thread pool size was fixed by the parent
+            sys.modules["torch"].set_num_threads(int(spec["env"]["OMP_NUM_THREADS"]))
+        if spec["loopback_store"]:
+            from . import loopback_rendezvous
+
+            if not loopback_rendezvous.install(run_dir):
+                print("helpers.launch: torch's rendezvous registry changed; env:// uses TCPStore "
+                      "(listening on all interfaces)", file=sys.stderr)
+        if isinstance(payload, bytes):  # spawn: the function travelled by value
+            import cloudpickle
+
+            payload = cloudpickle.loads(payload)
+        fn, args, kwargs = payload
+    except BaseException as exc:  # noqa: BLE001 - a broken start must still be reported
+        _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
+        os._exit(1)
+
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are failures too
+        _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
+    else:
+        buffer = io.BytesIO()
+        try:
+            _result_pickler(buffer).dump(result)
+        except Exception as exc:  # noqa: BLE001
+            exc_message = (f"rank {rank} returned a value that cannot be pickled "
+                           f"({type(result).__qualname__}): {type(exc).__name__}: {exc}")
+            _dump(os.path.join(run_dir, f"error.{rank}"),
+                  _error_record(rank, TypeError(exc_message), traceback.format_exc()))
+        else:
+            path = os.path.join(run_dir, f"result.{rank}")
+            with open(path + ".tmp", "wb") as f:
+                f.write(buffer.getbuffer())
+            os.replace(path + ".tmp", path)
+            exit_code = 0
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(exit_code)
+
+
+def spawn_main(run_dir: str, rank: int) -> None:
+    """Entry point of a spawned worker: a fresh interpreter that never imports the kernel's __main__."""
+    with open(os.path.join(run_dir, "spec.pkl"), "rb") as f:
+        spec = pickle.load(f)
+    sys.path[:] = spec["sys_path"]
+    with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
+        payload = f.read()
+    run_worker(payload, rank, spec)

@@ -1,0 +1,134 @@
+"""What this machine has, and which device and backend a rank should use.
+
+Why a module of its own: the kernel must never initialise CUDA (a forked worker cannot use CUDA once its parent
+has), so every question about GPUs asked from the kernel goes through NVML here, never through the CUDA runtime.
+The functions a worker calls (`rank_device`, `default_backend`) are optional sugar: the same worker code can
+spell them out with plain PyTorch and still run under torchrun.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+
+@contextlib.contextmanager
+def _nvml_cuda_check():
+    """Make torch count GPUs through NVML (no CUDA context), restoring the environment afterwards."""
+    old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
+
+
+def gpu_count() -> int:
+    """Visible CUDA GPUs, counted without creating a CUDA context in this process."""
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return 0
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    with _nvml_cuda_check():
+        return torch.cuda._device_count_nvml() if hasattr(torch.cuda, "_device_count_nvml") else 0
+
+
+def cuda_initialized() -> bool:
+    """True once this process holds a CUDA context: from then on fork is unsafe."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def gpu_names() -> list[str]:
+    """GPU model names from nvidia-smi (no CUDA context); empty where there is none."""
+    if not shutil.which("nvidia-smi") or gpu_count() == 0:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_backend(world_size: int | None = None) -> str:
+    """'nccl' when every local rank can have a GPU of its own, else 'gloo'.
+
+    In a worker started by `helpers.launch` the launcher's choice (COOKBOOK_BACKEND) wins, so that a one-GPU
+    machine running two ranks uses gloo for both rather than two NCCL ranks on one GPU (which NCCL refuses).
+    """
+    chosen = os.environ.get("COOKBOOK_BACKEND")
+    if chosen:
+        return chosen
+    import torch
+    import torch.distributed as dist
+
+    local = world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = gpu_count()
+    if dist.is_nccl_available() and gpus >= 1 and local <= gpus:
+        return "nccl"
+    return "gloo"
+
+
+def rank_device():
+    """The torch.device this rank should compute on: its own GPU under NCCL, else the CPU.
+
+    Correct on a CPU-only build, where `torch.accelerator.current_accelerator()` returns None.
+    """
+    import torch
+
+    if default_backend() == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def machine_facts() -> dict:
+    """The context every measured figure needs: torch, device, backends, CPU capability, cores."""
+    import torch
+    import torch.distributed as dist
+
+    accel = None
+    if hasattr(torch, "accelerator") and gpu_count() == 0:
+        # Safe without GPUs: no CUDA context can be created. With GPUs we avoid it (it may initialise CUDA).
+        accel = torch.accelerator.current_accelerator()
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda_build": torch.version.cuda,
+        "gpus": gpu_count(),
+        "gpu_names": gpu_names(),
+        "accelerator": str(accel) if accel is not None else ("cuda" if gpu_count() else None),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cores": usable_cores(),
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+        "default_backend": default_backend(world_size=max(1, gpu_count()) if gpu_count() >= 2 else 2),
+    }
+
+
+def describe_machine() -> dict:
+    """Print `machine_facts()` as a short table and return it (the first cell of every notebook)."""
+    facts = machine_facts()
+    width = max(len(k) for k in facts)
+    for key, value in facts.items():
+        print(f"{key:<{width}}  {value}")
+    return facts
