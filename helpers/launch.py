@@ -60,17 +60,20 @@ class RankFailure:
 class WorkerError(RuntimeError):
     """A rank failed. `rank`, `kind`, `message` and `traceback` describe the root cause; `failures` all of them."""
 
-    def __init__(self, root: RankFailure, failures: list[RankFailure]):
+    def __init__(self, root: RankFailure, failures: list[RankFailure], returned: list[int] = ()):
         self.rank, self.kind, self.message = root.rank, root.kind, root.message
+        self.returned = list(returned)
         self.traceback, self.failures, self.original = root.traceback, failures, root.exception
         others = [f for f in failures if f is not root]
         text = root.headline()
         if root.traceback:
             text += f"\n\n--- traceback of rank {root.rank} ---\n{root.traceback.rstrip()}"
         if others:
-            text += "\n\nother ranks (" + ", ".join("secondary" if f.secondary else "also failed"
-                                                     for f in others[:1]) + "):\n"
-            text += "\n".join("  " + f.headline().splitlines()[0][:300] for f in others)
+            text += "\n\nother ranks:\n" + "\n".join(
+                f"  {'(secondary) ' if f.secondary else ''}{f.headline().splitlines()[0][:300]}" for f in others)
+        if root.secondary and self.returned:
+            text += (f"\n\nranks {self.returned} had already returned: a rank that leaves while its peers still "
+                     "wait in a collective is the usual cause of this error.")
         super().__init__(text)
 
 
@@ -296,7 +299,22 @@ def _take_stacks(procs: list, run_dir: str, wait: float = 2.0) -> dict[int, str]
                     stacks[rank] = f.read()
             break
         time.sleep(0.05)
-    return stacks
+    return {rank: _trim_stack(stack) for rank, stack in stacks.items()}
+
+
+def _trim_stack(stack: str) -> str:
+    """Drop the frames below the worker's entry point: a forked worker inherits the kernel's frames."""
+    out, skip = [], False
+    for line in stack.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            skip = False
+        if skip:
+            continue
+        if line.strip().endswith(" in run_worker"):
+            skip = True
+            continue
+        out.append(line)
+    return "\n".join(out)
 
 
 def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None,
@@ -416,5 +434,5 @@ def _supervise(procs, run_dir, tails, progress, timeout, failure_grace) -> list:
     if failures:
         ordered = sorted(failures.values(), key=lambda f: (f.time, f.rank))
         root = root_cause(ordered)
-        raise WorkerError(root, [root] + [f for f in ordered if f is not root]) from root.exception
+        raise WorkerError(root, [root] + [f for f in ordered if f is not root], sorted(results)) from root.exception
     return [results[rank] for rank in range(world_size)]
