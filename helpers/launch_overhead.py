@@ -1,0 +1,90 @@
+"""What starting N workers costs, measured the same way for every launcher (notebook 00 and the benchmark).
+
+Why a trivial job: init_process_group, one all_reduce, destroy, return. Everything measured is start-up and
+teardown, which is what a notebook user pays on every cell that launches workers.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable
+
+
+def trivial_all_reduce() -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def _spawn_entry(rank: int, world_size: int, port: int) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    trivial_all_reduce()
+
+
+def with_helpers_launch(world_size: int = 2) -> None:
+    from .launch import launch
+
+    assert launch(trivial_all_reduce, world_size=world_size, quiet=True, timeout=120) == [float(world_size)] * world_size
+
+
+def with_mp_spawn(world_size: int = 2) -> None:
+    """torch.multiprocessing.spawn: a fresh interpreter per rank, importing torch each time."""
+    import torch.multiprocessing as tmp
+
+    from .launch import free_port
+
+    tmp.start_processes(_spawn_entry, args=(world_size, free_port()), nprocs=world_size, start_method="spawn")
+
+
+def with_notebook_launcher(world_size: int = 2) -> None:
+    """accelerate's notebook_launcher (fork through torch elastic's start_processes)."""
+    import contextlib
+    import io
+
+    from accelerate import notebook_launcher
+
+    from .launch import free_port
+
+    # Its banner says "Launching training on N CUDAs." even on a CPU-only machine: keep it out of the output.
+    with contextlib.redirect_stdout(io.StringIO()):
+        notebook_launcher(trivial_all_reduce, num_processes=world_size, use_port=str(free_port()))
+
+
+def available_launchers() -> dict[str, Callable[[int], None]]:
+    """The launchers this machine can compare: accelerate's only where it is installed."""
+    found = {"helpers.launch (fork)": with_helpers_launch, "torch.multiprocessing spawn": with_mp_spawn}
+    try:
+        import accelerate  # noqa: F401
+
+        found["accelerate notebook_launcher"] = with_notebook_launcher
+    except ImportError:
+        pass
+    return found
+
+
+def time_launches(start: Callable[[], None], repeats: int = 7, warmup: int = 1) -> dict:
+    """Median and spread of the wall time of `start()` over `repeats` calls, after `warmup` untimed ones."""
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
+    for _ in range(warmup):
+        start()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        start()
+        samples.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples),
+            "samples": samples}
+
+
+def compare_launchers(world_size: int = 2, repeats: int = 7) -> dict[str, dict]:
+    """Every available launcher timed in this process, one after the other, on the same trivial job."""
+    return {name: time_launches(lambda fn=fn: fn(world_size), repeats=repeats)
+            for name, fn in available_launchers().items()}
