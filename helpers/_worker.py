@@ -73,6 +73,18 @@ def _error_record(rank: int, exc: BaseException, tb: str) -> dict:
     return record
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: be killed if the kernel dies (a kernel restart is a SIGKILL: its `finally` never runs)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def run_worker(payload, rank: int, spec: dict) -> None:
     """Entry point of every worker (fork or spawn). Never returns: ends the process with os._exit."""
     run_dir = spec["run_dir"]
@@ -83,6 +95,7 @@ def run_worker(payload, rank: int, spec: dict) -> None:
                 os.setsid()
             except PermissionError:  # spawned with start_new_session: already a session leader
                 pass
+        _die_with_parent(spec["parent_pid"])
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _reopen_std_streams(os.path.join(run_dir, f"out.{rank}"), os.path.join(run_dir, f"err.{rank}"))

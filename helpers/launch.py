@@ -252,9 +252,12 @@ def _stop(procs: list, grace: float = 1.0) -> None:
         alive = [p for p in procs if p.is_alive()]
         for p in alive:
             try:
-                os.killpg(p.pid, sig) if hasattr(os, "killpg") else p.terminate()
-            except (ProcessLookupError, PermissionError):
-                pass
+                os.killpg(p.pid, sig)  # the worker's session: it and everything it started
+            except (ProcessLookupError, PermissionError, AttributeError):
+                try:  # not yet a session leader (stopped during start-up), or no killpg on this platform
+                    os.kill(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
         for d in descendants:
             try:
                 d.send_signal(sig)
@@ -356,7 +359,7 @@ def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TI
     with tempfile.TemporaryDirectory(prefix="cookbook-launch-") as run_dir:
         worker_env[RUN_DIR_VAR] = run_dir
         spec = {"run_dir": run_dir, "env": worker_env, "loopback_store": rendezvous == "file",
-                "sys_path": list(sys.path)}
+                "sys_path": list(sys.path), "parent_pid": os.getpid()}
         procs: list = []
         tails = [t for rank in range(world_size)
                  for t in (_OutputTail(os.path.join(run_dir, f"out.{rank}"), rank, out_stream),

@@ -332,3 +332,32 @@ def test_backend_choice_reaches_the_workers():
         return helpers.default_backend(), str(helpers.rank_device())
 
     assert launch(work, world_size=2, backend="gloo", timeout=60) == [("gloo", "cpu")] * 2
+
+
+def test_workers_die_with_a_killed_kernel():
+    """A kernel restart is a SIGKILL: no `finally` runs, yet no worker may survive it."""
+    import psutil
+
+    kernel = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, time, helpers\n"
+         "def hang():\n"
+         "    print('pid', os.getpid(), flush=True)\n"
+         "    time.sleep(600)\n"
+         "helpers.launch(hang, world_size=2, timeout=600)\n"],
+        stdout=subprocess.PIPE, text=True)
+    pids = []
+    while len(pids) < 2:
+        line = kernel.stdout.readline()
+        assert line, "the stand-in kernel ended before its workers started"
+        if " pid " in line:
+            pids.append(int(line.split()[-1]))
+    kernel.kill()
+    kernel.wait()
+    kernel.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                              for p in pids):
+        time.sleep(0.1)
+    survivors = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not survivors, f"workers {survivors} outlived their kernel"
