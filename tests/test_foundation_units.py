@@ -1,0 +1,107 @@
+"""Unit tests of the small foundation helpers: each checks a closed form or an exact round trip."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import data, memory, models, progress
+from helpers.headline import MIMETYPE, headlines_of
+from helpers.torchrun import torchrun_lines, write_script
+
+
+@pytest.mark.parametrize("stage,expected", [(0, 16.0), (1, 4 + 4 + 8 / 4), (2, 4 + 4 / 4 + 8 / 4), (3, 16 / 4)])
+def test_zero_bytes_fp32_adam(stage, expected):
+    per_rank = memory.zero_bytes_per_rank(1_000, world_size=4, stage=stage)
+    assert sum(per_rank.values()) == pytest.approx(expected * 1_000)
+
+
+def test_zero_bytes_mixed_precision_is_16_bytes_per_parameter_unsharded():
+    assert sum(memory.zero_bytes_per_rank(10, 8, stage=0, mixed_precision=True).values()) == 160
+    assert sum(memory.zero_bytes_per_rank(10, 8, stage=3, mixed_precision=True).values()) == 20
+    with pytest.raises(ValueError):
+        memory.zero_bytes_per_rank(10, 2, stage=4)
+
+
+def test_model_state_bytes_counts_adam_moments_but_not_the_step_counter():
+    model = torch.nn.Linear(10, 5)  # 55 parameters
+    opt = torch.optim.Adam(model.parameters())
+    assert memory.model_state_bytes(model, opt) == {"parameters": 220, "gradients": 0, "optimizer": 0}
+    model(torch.randn(3, 10)).sum().backward()
+    opt.step()
+    assert memory.model_state_bytes(model, opt) == {"parameters": 220, "gradients": 220, "optimizer": 440}
+
+
+def test_headlines_are_read_back_from_an_executed_notebook():
+    nb = {"cells": [{"cell_type": "code", "outputs": [
+        {"output_type": "display_data", "data": {"text/plain": "x: 1", MIMETYPE: {"name": "x", "value": 1.0,
+                                                                                  "unit": "s"}}},
+        {"output_type": "stream", "text": "noise"}]}, {"cell_type": "markdown"}]}
+    assert headlines_of(nb) == [{"name": "x", "value": 1.0, "unit": "s"}]
+
+
+def test_progress_goes_to_a_file_under_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv(progress.RUN_DIR_VAR, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    progress.report_progress(3, 10, loss=0.5)
+    states = progress.read_progress(str(tmp_path), world_size=2)
+    assert list(states) == [1] and states[1]["step"] == 3 and states[1]["metrics"] == {"loss": 0.5}
+
+
+def test_progress_prints_every_tenth_outside_the_launcher(capsys, monkeypatch):
+    monkeypatch.delenv(progress.RUN_DIR_VAR, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    for step in range(1, 21):
+        progress.report_progress(step, 20, loss=1.0 / step)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 10 and lines[-1].startswith("[rank 0] 20/20 loss=0.05")
+
+
+def _square_sum():
+    return sum(i * i for i in range(int(os.environ.get("N", "4"))))
+
+
+def test_write_script_runs_the_functions_own_source(tmp_path):
+    script = write_script(_square_sum, tmp_path / "s.py", imports="import os")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env={**os.environ, "N": "5"})
+    assert done.returncode == 0 and done.stdout.strip() == "30"
+    assert "def _square_sum" in script.read_text()
+    lines = torchrun_lines("s.py", nproc="4")
+    assert "--standalone --nproc-per-node=4 s.py" in lines and "--rdzv-endpoint" in lines
+
+
+def test_digits_split_is_real_and_reproducible():
+    train, test = data.load_digits()
+    assert (len(train), len(test)) == (1438, 359)
+    assert train.x.shape[1] == 64 and 0.0 <= float(train.x.min()) and float(train.x.max()) <= 1.0
+    assert set(train.y.tolist()) == set(range(10))
+    again, _ = data.load_digits()
+    assert torch.equal(train.y, again.y)
+
+
+def test_text_tokenizer_round_trips_the_corpus():
+    tokens, tok = data.text_tokens()
+    assert len(tokens) > 400_000
+    assert tok.decode(tokens[:500]) == data.load_text()[:500]
+    x, y = data.text_batch(tokens, 3, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (3, 16) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_tiny_gpt_starts_near_uniform_loss():
+    torch.manual_seed(0)
+    tokens, tok = data.text_tokens()
+    model = models.TinyGPT(models.GPTConfig(vocab_size=tok.vocab_size, seq_len=32, d_model=64, n_layers=2))
+    x, y = data.text_batch(tokens, 8, 32, torch.Generator().manual_seed(0))
+    assert model(x).shape == (8, 32, tok.vocab_size)
+    assert abs(model(x, y).item() - math.log(tok.vocab_size)) < 0.5
+
+
+def test_digits_mlp_shapes():
+    m = models.DigitsMLP(hidden=32, depth=3)
+    assert m(torch.zeros(5, 64)).shape == (5, 10)
+    assert models.count_parameters(m) == 64 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 10 + 10
