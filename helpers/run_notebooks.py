@@ -31,7 +31,7 @@ def execute_notebook(path: Path, smoke: bool, out_dir: Path = OUTPUTS, cell_time
     params = {"SMOKE": smoke, **(parameters or {})}
     start = time.perf_counter()
     pm.execute_notebook(str(path), str(out), parameters=params, kernel_name="python3", cwd=str(NOTEBOOKS),
-                        execution_timeout=cell_timeout, progress_bar=False, log_output=False)
+                        execution_timeout=cell_timeout, progress_bar=sys.stderr.isatty(), log_output=False)
     return out, time.perf_counter() - start
 
 
