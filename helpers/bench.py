@@ -25,6 +25,8 @@ import threading
 import time
 import zlib
 
+from .devices import usable_cores
+
 GB = 1e9  # nccl-tests reports GB/s with GB = 1e9 bytes
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
 _ALIASES = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
@@ -73,12 +75,6 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
         sizes.append(size)
         size *= factor
     return sizes
-
-
-def usable_cores() -> int:
-    from .devices import usable_cores as cores
-
-    return cores()
 
 
 def oversubscription_warning(world_size: int, cores: int | None = None) -> str | None:
