@@ -1,0 +1,496 @@
+"""Timing collectives done right: warm-ups, a barrier before every timed call, the slowest rank, medians and spread,
+algbw and busbw as nccl-tests defines them, and the ceilings a figure should be read against.
+
+Why a module: every notebook that says "communication costs X" needs the same discipline, and the mistakes are
+easy to make (timing the first call, which includes connection set-up; timing one rank, which may have arrived
+late; forgetting `cuda.synchronize`, which times the kernel launch; comparing a reduce-scatter's bandwidth with
+an all-reduce's without the bus factor). Everything here is called inside a worker after
+`dist.init_process_group()`; nothing is called from the kernel except the pure arithmetic and formatting.
+
+Definitions (nccl-tests, doc/PERFORMANCE.md). S is the size of the *full* array in bytes: the all-reduce buffer,
+the all-gather output, the reduce-scatter input, the all-to-all buffer of one rank, the broadcast buffer.
+    algbw = S / t
+    busbw = algbw * factor(collective, n)
+    factor: all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1.
+busbw is what each rank's link must carry per second for the best (ring/bandwidth-optimal) algorithm, so it is the
+number to hold against a link's bandwidth, and it does not change with n for a bandwidth-bound collective.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import threading
+import time
+import zlib
+
+from .devices import usable_cores
+
+GB = 1e9  # nccl-tests reports GB/s with GB = 1e9 bytes
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
+_ALIASES = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+            "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+            "all_to_all_single": "all_to_all", "allreduce": "all_reduce", "allgather": "all_gather",
+            "reducescatter": "reduce_scatter", "alltoall": "all_to_all"}
+
+
+def canonical(name: str) -> str:
+    """The collective's name in this module ('all_gather_single' -> 'all_gather')."""
+    key = name.lower()
+    key = _ALIASES.get(key, key)
+    if key not in COLLECTIVES:
+        raise ValueError(f"unknown collective {name!r}; known: {', '.join(COLLECTIVES)}")
+    return key
+
+
+def busbw_factor(name: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor for collective `name` on `n` ranks (S is the full array)."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    key = canonical(name)
+    if key == "all_reduce":
+        return 2 * (n - 1) / n
+    if key in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def algbw(size_bytes: float, seconds: float) -> float:
+    """Algorithm bandwidth S/t in bytes per second."""
+    return size_bytes / seconds
+
+
+def busbw(name: str, n: int, size_bytes: float, seconds: float) -> float:
+    """Bus bandwidth algbw * factor in bytes per second."""
+    return algbw(size_bytes, seconds) * busbw_factor(name, n)
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+    """Message sizes min_bytes, min_bytes*factor, ... up to max_bytes (included when on the grid)."""
+    if min_bytes < 1 or max_bytes < min_bytes or factor < 2:
+        raise ValueError(f"need 1 <= min_bytes <= max_bytes and factor >= 2, got {min_bytes}, {max_bytes}, {factor}")
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def oversubscription_warning(world_size: int, cores: int | None = None) -> str | None:
+    """A warning to print when more ranks than cores run on this host, else None."""
+    cores = usable_cores() if cores is None else cores
+    if world_size > cores:
+        return (f"WARNING: {world_size} ranks share {cores} CPU cores: ranks take turns on the cores, so these "
+                f"times measure the operating system's scheduler as much as the collective. Read them for "
+                f"correctness, not throughput.")
+    return None
+
+
+def summarize(values: list[float]) -> dict:
+    """Median, quartiles, min and max of a list of timings (seconds)."""
+    ordered = sorted(values)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return {"median_s": statistics.median(ordered), "q1_s": q1, "q3_s": q3, "min_s": ordered[0],
+            "max_s": ordered[-1]}
+
+
+# ----------------------------------------------------------------------------------------------- in a worker
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _barrier(group, device) -> None:
+    """Every rank leaves together (as far as a barrier can promise), with the device idle."""
+    import torch.distributed as dist
+
+    _sync(device)
+    if device.type == "cuda" and str(dist.get_backend(group)) == "nccl":  # NCCL's barrier is an all-reduce on a GPU
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+    _sync(device)
+
+
+def _buffers(name: str, size_bytes: int, n: int, device, dtype):
+    """Input and output of one collective whose full array is about `size_bytes` (whole elements, divisible by n)."""
+    import torch
+
+    elem = torch.tensor([], dtype=dtype).element_size()
+    count = max(n, (size_bytes // elem) // n * n)
+    if name == "all_gather":
+        return torch.zeros(count // n, dtype=dtype, device=device), torch.zeros(count, dtype=dtype, device=device)
+    if name == "reduce_scatter":
+        return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count // n, dtype=dtype, device=device)
+    if name == "all_to_all":
+        return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count, dtype=dtype, device=device)
+    buf = torch.zeros(count, dtype=dtype, device=device)
+    return buf, buf
+
+
+def _operation(name: str, inp, out, group):
+    """A zero-argument callable that runs the collective once (synchronous API)."""
+    import torch.distributed as dist
+
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(inp, group=group)
+    if name == "all_gather":
+        return lambda: dist.all_gather_single(out, inp, group=group)
+    if name == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(out, inp, group=group)
+    if name == "all_to_all":
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    if name == "broadcast":
+        return lambda: dist.broadcast(inp, group=group, group_src=0)
+    if name == "reduce":
+        return lambda: dist.reduce(inp, group=group, group_dst=0)
+    raise ValueError(name)
+
+
+def _check_result(name: str, inp, out, group, device) -> None:
+    """Run the collective once more on known inputs and compare with its closed form (small integers: exact)."""
+    import torch
+    import torch.distributed as dist
+
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    chunk = inp.numel() // n if name in ("reduce_scatter", "all_to_all") else inp.numel()
+    chunk_of = torch.arange(inp.numel(), device=device) // max(1, chunk)  # which rank's chunk each element is
+    if name in ("reduce_scatter", "all_to_all"):
+        inp.copy_(r * n + chunk_of)  # rank r, chunk j holds r*n + j
+    else:
+        inp.fill_(r + 1)
+    out_zero = out is not inp
+    if out_zero:
+        out.zero_()
+    _operation(name, inp, out, group)()
+    _sync(device)
+    triangle = n * (n + 1) // 2
+    if name == "all_reduce":
+        expected = torch.full_like(inp, triangle)
+        got = inp
+    elif name == "all_gather":
+        expected = (torch.arange(out.numel(), device=device) // inp.numel() + 1).to(out.dtype)
+        got = out
+    elif name == "reduce_scatter":  # sum over ranks q of q*n + r
+        expected = torch.full_like(out, n * (n - 1) // 2 * n + n * r)
+        got = out
+    elif name == "all_to_all":  # chunk j comes from rank j, which held j*n + r there
+        expected = (torch.arange(out.numel(), device=device) // chunk * n + r).to(out.dtype)
+        got = out
+    elif name == "broadcast":
+        expected, got = torch.full_like(inp, 1), inp
+    else:  # reduce: defined on the destination only
+        if r != 0:
+            return
+        expected, got = torch.full_like(inp, triangle), inp
+    if not torch.equal(got, expected):
+        wrong = (got != expected).sum().item()
+        raise AssertionError(f"{name} on {n} ranks: {wrong} of {got.numel()} elements differ from the closed form "
+                             f"on rank {r}")
+
+
+def host_clock() -> float:
+    """Seconds on a clock every process on this host shares (CLOCK_MONOTONIC), so ranks' times can be compared."""
+    if hasattr(time, "CLOCK_MONOTONIC"):
+        return time.clock_gettime(time.CLOCK_MONOTONIC)
+    return time.time()
+
+
+def _per_call_times(starts, ends, group, device) -> tuple[list[float], str]:
+    """One time per repeat, agreed by every rank (one all-reduce, after the timed loop).
+
+    All ranks on one host: from the first rank's start to the last rank's end, on the shared clock. This counts
+    the barrier's exit skew against the collective rather than hiding it, and it stops a receiver that starts its
+    clock late (its data already waiting in socket buffers) from looking faster than the link. Ranks on several
+    hosts, whose clocks differ: the slowest rank's own duration.
+    """
+    import torch
+    import torch.distributed as dist
+
+    host = float(zlib.crc32(socket.gethostname().encode()))
+    durations = [e - s for s, e in zip(starts, ends)]
+    packed = torch.tensor([-s for s in starts] + list(ends) + durations + [host, -host], dtype=torch.float64,
+                          device=device)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    values = packed.cpu().tolist()
+    k = len(starts)
+    first_start, last_end, slowest = [-v for v in values[:k]], values[k:2 * k], values[2 * k:3 * k]
+    if values[-2] == -values[-1]:  # every rank reported the same host
+        return [e - s for s, e in zip(first_start, last_end)], "first start to last end (one host)"
+    return slowest, "slowest rank's own duration (several hosts)"
+
+
+def time_collective(name: str, sizes: list[int], *, warmup: int = 5, repeats: int = 20, group=None, device=None,
+                    dtype=None, check: bool = True) -> list[dict]:
+    """Time collective `name` at every size; one record per size, the same on every rank of `group`.
+
+    Per size: allocate the buffers once, run `warmup` untimed calls (connection set-up, allocator, caches), then
+    `repeats` timed calls, each after a barrier, each timed from the call to the moment the device is idle again.
+    A collective is done when its last rank is done, so a call's time is the slowest rank's: on one host, from
+    the first rank's start to the last rank's end (see `_per_call_times`). The record carries every repeat, the
+    median and the spread. `check`: afterwards run once on known inputs and compare with the closed form
+    (raises AssertionError).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .devices import rank_device
+
+    key = canonical(name)
+    device = rank_device() if device is None else torch.device(device)
+    dtype = torch.float32 if dtype is None else dtype
+    n = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    cores = usable_cores()
+    records = []
+    for size in sizes:
+        inp, out = _buffers(key, size, n, device, dtype)
+        full = (out if key == "all_gather" else inp).numel() * inp.element_size()
+        op = _operation(key, inp, out, group)
+        for _ in range(warmup):
+            op()
+        _sync(device)
+        starts, ends = [], []
+        for _ in range(repeats):
+            _barrier(group, device)
+            starts.append(host_clock())
+            op()
+            _sync(device)
+            ends.append(host_clock())
+        times, timing = _per_call_times(starts, ends, group, device)
+        if check:
+            _check_result(key, inp, out, group, device)
+        stats = summarize(times)
+        factor = busbw_factor(key, n)
+        records.append({
+            "collective": key, "backend": backend, "device": device.type, "world_size": n, "size_bytes": full,
+            "dtype": str(dtype).replace("torch.", ""), "factor": factor, "times_s": times, **stats,
+            "algbw": algbw(full, stats["median_s"]), "busbw": algbw(full, stats["median_s"]) * factor,
+            # the spread of busbw follows the time quartiles (fast time = high bandwidth)
+            "busbw_q1": algbw(full, stats["q3_s"]) * factor, "busbw_q3": algbw(full, stats["q1_s"]) * factor,
+            "cores": cores, "oversubscribed": n > cores, "checked": check, "timing": timing,
+        })
+        del inp, out, op
+    return records
+
+
+# --------------------------------------------------------------------------------------------------- ceilings
+
+def memory_copy_rate(nbytes: int = 64 << 20, repeats: int = 10, device=None) -> dict:
+    """How fast `dst.copy_(src)` moves `nbytes` on `device` (CPU memory, or a GPU's own memory).
+
+    The rate is counted as S/t, each byte once, like algbw; the memory itself sees a read and a write of every
+    byte, 2S/t, which the record gives as `traffic`. On CUDA the time comes from CUDA events around the copy.
+    """
+    import torch
+
+    device = torch.device("cpu") if device is None else torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults and allocation are not the copy's cost
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+    stats = summarize(times)
+    size = src.numel() * src.element_size()
+    return {"name": f"{device.type} memory copy", "kind": "bandwidth", "size_bytes": size,
+            "rate": size / stats["median_s"], "traffic": 2 * size / stats["median_s"],
+            "counts": "S/t, each byte once (the memory reads and writes it: 2S/t)",
+            "threads": torch.get_num_threads() if device.type == "cpu" else None, "times_s": times, **stats}
+
+
+def _loopback_pair():
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))  # loopback only: nothing is exposed
+    server.listen(1)
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    server.close()
+    for s in (client, conn):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return client, conn
+
+
+def loopback_tcp_rate(nbytes: int = 64 << 20, repeats: int = 5, chunk: int = 4 << 20) -> dict:
+    """One TCP stream over 127.0.0.1 in this process (a sender thread, a receiving thread): bytes per second.
+
+    This is the transport gloo uses between ranks on one host, so it is the ceiling its busbw is read against.
+    The kernel copies every byte twice (user to kernel, kernel to user); the rate is counted once, S/t.
+    """
+    client, conn = _loopback_pair()
+    payload = memoryview(bytearray(chunk))
+    sink = memoryview(bytearray(chunk))
+    times = []
+    try:
+        for _ in range(repeats + 1):  # the first round warms the socket buffers up and is dropped
+            def send():
+                left = nbytes
+                while left > 0:
+                    piece = min(left, chunk)
+                    client.sendall(payload[:piece])
+                    left -= piece
+
+            sender = threading.Thread(target=send, daemon=True)
+            start = time.perf_counter()
+            sender.start()
+            got = 0
+            while got < nbytes:
+                got += conn.recv_into(sink, min(chunk, nbytes - got))
+            elapsed = time.perf_counter() - start
+            sender.join()
+            times.append(elapsed)
+    finally:
+        client.close()
+        conn.close()
+    times = times[1:]
+    stats = summarize(times)
+    return {"name": "loopback TCP", "kind": "bandwidth", "size_bytes": nbytes, "rate": nbytes / stats["median_s"],
+            "counts": "S/t, each byte once (one stream, one direction)", "times_s": times, **stats}
+
+
+def loopback_tcp_latency(repeats: int = 200) -> dict:
+    """Half the round trip of one byte over 127.0.0.1 TCP: the floor under a small gloo message."""
+    client, conn = _loopback_pair()
+    byte = b"x"
+
+    def echo():
+        for _ in range(repeats + 20):
+            conn.sendall(conn.recv(1))
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    times = []
+    try:
+        for i in range(repeats + 20):
+            start = time.perf_counter()
+            client.sendall(byte)
+            client.recv(1)
+            if i >= 20:
+                times.append((time.perf_counter() - start) / 2)
+    finally:
+        thread.join(5)
+        client.close()
+        conn.close()
+    stats = summarize(times)
+    return {"name": "loopback TCP one-way latency", "kind": "latency", "latency_s": stats["median_s"],
+            "times_s": times, **stats}
+
+
+def measure_ceilings(device=None, nbytes: int = 64 << 20, repeats: int = 5) -> dict:
+    """The ceilings a collective on `device` is read against, measured now: name -> record.
+
+    CPU: loopback TCP rate (gloo's transport), CPU memory copy rate, loopback TCP latency.
+    GPU: the device's memory copy rate as well (an upper bound for any intra-node collective).
+    """
+    import torch
+
+    device = torch.device("cpu") if device is None else torch.device(device)
+    found = {"tcp": loopback_tcp_rate(nbytes, repeats), "memcpy": memory_copy_rate(nbytes, repeats * 2),
+             "tcp_latency": loopback_tcp_latency()}
+    if device.type == "cuda":
+        found["device_copy"] = memory_copy_rate(max(nbytes, 1 << 30), repeats * 2, device)
+    return found
+
+
+def best_ceilings(*runs: dict) -> dict:
+    """Per ceiling, the best of several `measure_ceilings` runs (highest rate, lowest latency).
+
+    Why: on a shared machine a ceiling measured once may land in a busy moment and sit below what the collective
+    achieved a minute later. Measured before and after a sweep, the better of the two is nearer the link's ability.
+    """
+    best: dict = {}
+    for run in runs:
+        for key, c in run.items():
+            if key not in best:
+                best[key] = c
+            elif c["kind"] == "latency" and c["latency_s"] < best[key]["latency_s"]:
+                best[key] = c
+            elif c["kind"] == "bandwidth" and c["rate"] > best[key]["rate"]:
+                best[key] = c
+    return {key: {**c, "of_runs": len(runs)} for key, c in best.items()}
+
+
+# ------------------------------------------------------------------------------------------------- reading
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_table(records: list[dict], ceiling: dict | None = None) -> str:
+    """nccl-tests-like text table: size, median time and spread, algbw, busbw, busbw as % of `ceiling`."""
+    lines = []
+    warnings = {oversubscription_warning(r["world_size"], r["cores"]) for r in records if r["oversubscribed"]}
+    lines += sorted(w for w in warnings if w)
+    head = (f"{'collective':<15}{'backend':<8}{'n':>3}{'size':>11}{'median us':>12}{'IQR us':>19}"
+            f"{'algbw GB/s':>12}{'busbw GB/s':>12}")
+    if ceiling:
+        head += f"{'% of ' + ceiling['name']:>26}"
+    lines.append(head)
+    for r in records:
+        row = (f"{r['collective']:<15}{r['backend']:<8}{r['world_size']:>3}{human_bytes(r['size_bytes']):>11}"
+               f"{r['median_s'] * 1e6:>12.1f}{r['q1_s'] * 1e6:>9.1f}-{r['q3_s'] * 1e6:<9.1f}"
+               f"{r['algbw'] / GB:>12.3f}{r['busbw'] / GB:>12.3f}")
+        if ceiling:
+            row += f"{100 * r['busbw'] / ceiling['rate']:>25.1f}%"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def format_ceilings(ceilings: dict) -> str:
+    lines = []
+    for c in ceilings.values():
+        if c["kind"] == "latency":
+            lines.append(f"{c['name']:<32} {c['latency_s'] * 1e6:10.1f} us   (median of {len(c['times_s'])})")
+        else:
+            spread = f"IQR {c['size_bytes'] / c['q3_s'] / GB:.2f}-{c['size_bytes'] / c['q1_s'] / GB:.2f}"
+            lines.append(f"{c['name']:<32} {c['rate'] / GB:10.2f} GB/s ({spread}; {human_bytes(c['size_bytes'])}; "
+                         f"counted as {c['counts']})")
+    return "\n".join(lines)
+
+
+def peak(records: list[dict], key: str = "busbw") -> dict:
+    """The record with the highest `key` (bandwidth) among `records`."""
+    return max(records, key=lambda r: r[key])
+
+
+def smallest(records: list[dict]) -> dict:
+    """The record of the smallest message: its time is the collective's latency."""
+    return min(records, key=lambda r: r["size_bytes"])
+
+
+def claim_verdict(measured: float | None, low: float, high: float, unit: str = "") -> str:
+    """Where a measurement falls against a claimed range [low, high]: 'within', or 'below'/'above' by a factor."""
+    if measured is None or (isinstance(measured, float) and math.isnan(measured)):
+        return "not measured here"
+    if low <= measured <= high:
+        return "within the claimed range"
+    if measured < low:
+        return f"below the claimed range ({low / measured:.3g}x under its low end {low:g}{unit})"
+    return f"above the claimed range ({measured / high:.3g}x over its high end {high:g}{unit})"
+
+
+def environment_note() -> str:
+    """One line of context for a benchmark table: threads, cores, host."""
+    return (f"host {socket.gethostname()}, {usable_cores()} usable cores, OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', 'unset')}")

@@ -1,0 +1,148 @@
+"""Unit tests of helpers.bench: the nccl-tests arithmetic, the statistics, the ceilings, and time_collective on real
+ranks (including a collective whose result is wrong, which the closed-form check must catch)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import helpers
+from helpers import bench
+
+
+@pytest.mark.parametrize("name, n, factor", [
+    ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75), ("all_reduce", 1, 0.0),
+    ("all_gather", 2, 0.5), ("all_gather", 4, 0.75), ("reduce_scatter", 2, 0.5), ("reduce_scatter", 4, 0.75),
+    ("all_to_all", 2, 0.5), ("all_to_all", 4, 0.75), ("broadcast", 2, 1.0), ("broadcast", 4, 1.0),
+    ("reduce", 4, 1.0),
+])
+def test_busbw_factor_matches_nccl_tests(name, n, factor):
+    assert bench.busbw_factor(name, n) == factor
+
+
+def test_busbw_factor_aliases_and_errors():
+    assert bench.busbw_factor("all_gather_into_tensor", 4) == bench.busbw_factor("all_gather_single", 4) == 0.75
+    assert bench.busbw_factor("reduce_scatter_tensor", 2) == 0.5
+    assert bench.busbw_factor("all_to_all_single", 4) == 0.75
+    with pytest.raises(ValueError):
+        bench.busbw_factor("all_reduse", 2)
+    with pytest.raises(ValueError):
+        bench.busbw_factor("all_reduce", 0)
+
+
+def test_algbw_and_busbw():
+    assert bench.algbw(1e9, 0.5) == 2e9
+    assert bench.busbw("all_reduce", 4, 1e9, 0.5) == 3e9
+    assert bench.busbw("all_gather", 2, 1e9, 1.0) == 0.5e9
+
+
+def test_size_sweep():
+    assert bench.size_sweep(1024, 64 << 20, 4) == [1024 * 4 ** k for k in range(9)]
+    assert bench.size_sweep(1024, 5000, 2) == [1024, 2048, 4096]
+    assert bench.size_sweep(8, 8) == [8]
+    with pytest.raises(ValueError):
+        bench.size_sweep(100, 10)
+    with pytest.raises(ValueError):
+        bench.size_sweep(1, 10, 1)
+
+
+def test_oversubscription_warning():
+    assert bench.oversubscription_warning(2, cores=2) is None
+    text = bench.oversubscription_warning(4, cores=2)
+    assert text and "4 ranks" in text and "2 CPU cores" in text and "scheduler" in text
+
+
+def test_summarize():
+    s = bench.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert s["median_s"] == 3.0 and s["min_s"] == 1.0 and s["max_s"] == 5.0
+    assert s["q1_s"] == 2.0 and s["q3_s"] == 4.0
+    one = bench.summarize([7.0])
+    assert one["median_s"] == one["q1_s"] == one["q3_s"] == 7.0
+
+
+def test_claim_verdict():
+    assert bench.claim_verdict(7, 5, 10).startswith("within")
+    below = bench.claim_verdict(0.5, 5, 10)
+    assert below.startswith("below") and "10x" in below
+    above = bench.claim_verdict(40, 5, 10)
+    assert above.startswith("above") and "4x" in above
+    assert bench.claim_verdict(None, 5, 10) == "not measured here"
+    assert bench.claim_verdict(math.nan, 5, 10) == "not measured here"
+
+
+def test_best_ceilings_keeps_the_best_of_each():
+    first = {"tcp": {"kind": "bandwidth", "rate": 2.0}, "lat": {"kind": "latency", "latency_s": 3e-5}}
+    second = {"tcp": {"kind": "bandwidth", "rate": 3.0}, "lat": {"kind": "latency", "latency_s": 5e-5}}
+    best = bench.best_ceilings(first, second)
+    assert best["tcp"]["rate"] == 3.0 and best["lat"]["latency_s"] == 3e-5 and best["tcp"]["of_runs"] == 2
+
+
+def test_ceilings_are_measured():
+    copy = bench.memory_copy_rate(4 << 20, repeats=3)
+    assert copy["rate"] > 0 and copy["traffic"] == 2 * copy["rate"] and len(copy["times_s"]) == 3
+    tcp = bench.loopback_tcp_rate(4 << 20, repeats=2, chunk=1 << 20)
+    assert tcp["rate"] > 0 and tcp["size_bytes"] == 4 << 20 and len(tcp["times_s"]) == 2
+    latency = bench.loopback_tcp_latency(repeats=20)
+    assert 0 < latency["latency_s"] < 0.1 and len(latency["times_s"]) == 20
+
+
+def test_format_table_warns_when_oversubscribed():
+    record = {"collective": "all_reduce", "backend": "gloo", "world_size": 4, "size_bytes": 1024, "median_s": 1e-3,
+              "q1_s": 9e-4, "q3_s": 2e-3, "algbw": 1.024e6, "busbw": 1.536e6, "cores": 2, "oversubscribed": True}
+    text = bench.format_table([record], {"name": "loopback TCP", "rate": 1.536e9})
+    assert text.splitlines()[0].startswith("WARNING") and "0.1%" in text
+
+
+def _sweep_worker(names, sizes):
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    records = [r for name in names for r in bench.time_collective(name, sizes, warmup=1, repeats=3)]
+    dist.destroy_process_group()
+    return records
+
+
+def test_time_collective_on_two_ranks():
+    sizes = [1000, 1 << 16]
+    results = helpers.launch(_sweep_worker, list(bench.COLLECTIVES), sizes, world_size=2, timeout=120, quiet=True)
+    assert results[0] == results[1], "every rank must return the same records"
+    records = results[0]
+    assert len(records) == len(bench.COLLECTIVES) * len(sizes)
+    for r in records:
+        assert r["checked"] and r["world_size"] == 2 and r["backend"] == "gloo" and len(r["times_s"]) == 3
+        assert r["size_bytes"] % (2 * 4) == 0 and r["size_bytes"] <= max(sizes)  # whole float32s, divisible by n
+        assert r["min_s"] <= r["q1_s"] <= r["median_s"] <= r["q3_s"] <= r["max_s"]
+        assert r["busbw"] == pytest.approx(r["size_bytes"] / r["median_s"] * bench.busbw_factor(r["collective"], 2))
+        assert r["busbw_q1"] <= r["busbw"] <= r["busbw_q3"]
+        assert r["timing"].startswith("first start to last end")
+
+
+def _broken_check_worker():
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    bench._operation = lambda *args, **kwargs: (lambda: None)  # a "collective" that does nothing
+    bench.time_collective("all_reduce", [1024], warmup=0, repeats=1)
+
+
+def test_time_collective_catches_a_wrong_result():
+    with pytest.raises(helpers.WorkerError) as info:
+        helpers.launch(_broken_check_worker, world_size=2, timeout=60, quiet=True)
+    assert info.value.kind == "AssertionError" and "closed form" in info.value.message
+
+
+def _span_worker():
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    rank = dist.get_rank()
+    starts = [[0.0, 10.0], [0.5, 10.2]][rank]
+    ends = [[1.0, 11.0], [2.0, 10.5]][rank]
+    times, how = bench._per_call_times(starts, ends, None, __import__("torch").device("cpu"))
+    dist.destroy_process_group()
+    return times, how
+
+
+def test_per_call_time_is_first_start_to_last_end_on_one_host():
+    for times, how in helpers.launch(_span_worker, world_size=2, timeout=60, quiet=True):
+        assert times == [2.0, 1.0] and "one host" in how
