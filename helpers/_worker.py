@@ -106,6 +106,10 @@ def run_worker(payload, rank: int, spec: dict) -> None:
         os.environ.update(spec["env"])
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank)})
 
+        if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_available():
+            # forked: torch.distributed read TORCH_DISTRIBUTED_DEBUG when the kernel imported it; re-read it so
+            # launch(env={"TORCH_DISTRIBUTED_DEBUG": ...}) acts as it does under torchrun.
+            sys.modules["torch.distributed"].set_debug_level_from_env()
         if "torch" in sys.modules:  # forked: torch's thread pool size was fixed by the parent
             sys.modules["torch"].set_num_threads(int(spec["env"]["OMP_NUM_THREADS"]))
         if spec["loopback_store"]:
