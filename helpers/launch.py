@@ -322,7 +322,7 @@ def _trim_stack(stack: str) -> str:
 
 def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None,
            start_method: str | None = None, rendezvous: str = "file", env: dict | None = None,
-           failure_grace: float = 3.0, quiet: bool = False, **kwargs) -> list:
+           failure_grace: float = 3.0, quiet: bool = False, threads: int | None = None, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` processes on this host; return their results ordered by rank.
 
     backend: what `helpers.default_backend()` answers in the workers (None: NCCL when every rank can have a GPU
@@ -332,6 +332,11 @@ def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TI
     env: extra environment variables for the workers only (the kernel's environment is never changed).
     failure_grace: seconds the peers of a failed rank get to fail on their own before they are killed.
     quiet: hide the workers' output.
+    threads: torch intra-op threads per worker. Default: 1 for forked workers, as torchrun's default
+        OMP_NUM_THREADS=1; cores // world_size for spawned ones. Why 1 after fork: once this kernel has run a
+        multi-threaded torch op, GNU OpenMP's thread pool cannot survive a fork, and a forked worker that asks
+        for two or more threads hangs at its first parallel op. Pass threads=N with start_method='spawn' for
+        CPU-bound single-rank measurements that need every core.
     Raises WorkerError (root cause first), LaunchTimeout (with each stuck rank's stack), or KeyboardInterrupt
     (after stopping every worker) if the cell is interrupted.
     """
@@ -341,13 +346,15 @@ def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TI
         raise ValueError(f"rendezvous must be 'file' or 'tcp', not {rendezvous!r}")
     method = choose_start_method(start_method)
     backend = backend or devices.default_backend(world_size)
-    threads = max(1, devices.usable_cores() // world_size)
+    if threads is None:
+        threads = 1 if method == "fork" else max(1, devices.usable_cores() // world_size)
+    elif not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
     worker_env = {
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1",
         "ROLE_WORLD_SIZE": str(world_size), "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": uuid.uuid4().hex[:12], "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
-                                                                                      str(threads)),
+        "TORCHELASTIC_RUN_ID": uuid.uuid4().hex[:12], "OMP_NUM_THREADS": str(threads),
         "COOKBOOK_BACKEND": backend,
     }
     worker_env.update({k: v for k, v in loopback_environment().items() if k not in os.environ})

@@ -361,3 +361,17 @@ def test_workers_die_with_a_killed_kernel():
         time.sleep(0.1)
     survivors = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert not survivors, f"workers {survivors} outlived their kernel"
+
+
+def test_forked_workers_survive_a_kernel_that_ran_multithreaded_torch():
+    """GNU OpenMP's pool does not survive fork: a forked worker asking for 2+ threads would hang here."""
+    a = torch.randn(1500, 1500)
+    (a @ a).sum()  # this process now has an OpenMP thread pool (when it has 2+ threads)
+
+    def work():
+        b = torch.randn(800, 800)
+        (b @ b).sum()
+        return torch.get_num_threads()
+
+    assert launch(work, world_size=1, timeout=30) == [1]
+    assert launch(work, world_size=1, start_method="spawn", threads=2, timeout=120) == [2]
