@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
 
-# (op name, kind, which argument holds the buffer, how to size it)
+# c10d op name -> (kind, index of the argument that holds the logical buffer)
 _C10D = {
     "_allgather_base_": (ALL_GATHER, 0), "allgather_": (ALL_GATHER, 0), "allgather_coalesced_": (ALL_GATHER, 0),
     "allgather_into_tensor_coalesced_": (ALL_GATHER, 0),
@@ -50,9 +50,11 @@ class Collective:
 
     @property
     def ring_bytes_sent(self) -> float:
-        """Bytes one rank sends for this collective on a ring."""
+        """Bytes one rank sends for this collective on a ring (a broadcast: the whole buffer, pipelined)."""
         n = self.group_size
-        factor = 2 * (n - 1) / n if self.kind == ALL_REDUCE else (n - 1) / n
+        if n <= 1:
+            return 0.0
+        factor = {ALL_REDUCE: 2 * (n - 1) / n, "broadcast": 1.0}.get(self.kind, (n - 1) / n)
         return self.bytes * factor
 
 
