@@ -55,3 +55,98 @@ def zero_bytes_per_rank(num_params: int, world_size: int, stage: int, mixed_prec
     return {"parameters": num_params * p / (n if stage >= 3 else 1),
             "gradients": num_params * g / (n if stage >= 2 else 1),
             "optimizer": num_params * o / (n if stage >= 1 else 1)}
+
+
+def storage_bytes(tensors, round_to: int = 1) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor counts its local shard's storage).
+
+    Why storages and not `numel`: what a rank really holds is its allocations. FSDP2 keeps each parameter's shard
+    in a buffer padded to ceil(dim0 / N) rows and writes a step's sharded gradients into one reduce-scatter
+    buffer per group, so the storages hold padding that `local.numel()` does not show. Views of one storage (all
+    the gradients of an FSDP group) count once. `round_to=CUDA_BLOCK_BYTES` rounds each storage up the way the
+    CUDA caching allocator does, for comparison with `torch.cuda.memory_allocated`.
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = local_tensor(t).untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = -(-storage.nbytes() // round_to) * round_to
+    return sum(seen.values())
+
+
+def allocated_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                          round_to: int = 1) -> dict[str, int]:
+    """Like `model_state_bytes`, but counting the storages this rank allocated (padding and shared buffers in)."""
+    params = [p for p in model.parameters()]
+    opt_tensors = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            opt_tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"parameters": storage_bytes(params, round_to),
+            "gradients": storage_bytes((p.grad for p in params), round_to),
+            "optimizer": storage_bytes(opt_tensors, round_to)}
+
+
+class SavedActivations:
+    """Counts the bytes autograd saves for backward during a forward pass, parameters excluded.
+
+    Why: these are the activations, the part of training memory that data parallelism (DDP or FSDP) does not
+    shard; they scale with the per-rank batch. Works on CPU, where no allocator statistic exists. A saved tensor
+    is a parameter when it (or the tensor it is a view of, e.g. `weight.t()`) is an `nn.Parameter`, as FSDP2's
+    unsharded parameters are too (testing "leaf that requires grad" would also catch inputs that require grad).
+    Distinct storages count once, so views of one activation (q, k and v cut from one projection) count once.
+
+        meter = SavedActivations()
+        with meter:
+            loss = model(x, y)
+        meter.bytes, meter.parameter_bytes
+    """
+
+    def __init__(self):
+        self._activations: dict[int, int] = {}
+        self._parameters: dict[int, int] = {}
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        storage = t.untyped_storage()
+        target = self._parameters if isinstance(base, torch.nn.Parameter) else self._activations
+        target[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> "SavedActivations":
+        self._activations.clear()
+        self._parameters.clear()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of activations saved for backward (distinct storages)."""
+        return sum(self._activations.values())
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of parameters saved for backward (FSDP: the unsharded parameters of the groups in use)."""
+        return sum(self._parameters.values())
+
+
+CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
+
+
+def cuda_memory(device) -> dict[str, int] | None:
+    """{'allocated', 'peak'} bytes from the CUDA caching allocator for `device`; None off CUDA.
+
+    Call it in a worker only (the kernel must never touch CUDA). `peak` is since the last
+    `torch.cuda.reset_peak_memory_stats(device)`.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}

@@ -1,0 +1,155 @@
+"""Record the collectives a training step issues, with their sizes: what CommDebugMode counts, plus volume.
+
+Why beside `torch.distributed.tensor.debug.CommDebugMode`: that mode counts collectives per kind (and per module),
+which is what a notebook should show, but keeps sizes only for DTensor arguments. FSDP2 and DDP issue plain c10d
+collectives on flat buffers, so to compare their traffic we need each call's element count. `CollectiveLog` is a
+dispatch mode too: it sees c10d ops (FSDP2's all-gather and reduce-scatter, DDP's bucket all-reduce, which its C++
+reducer issues through the dispatcher) and functional collectives (DTensor's redistribute).
+
+Sizes are the collective's logical buffer: an all-gather's output, a reduce-scatter's input, an all-reduce's
+tensor. On a ring, each rank then sends (N-1)/N of that buffer for an all-gather or a reduce-scatter, and twice
+that for an all-reduce (nccl-tests' busbw factors).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+
+# c10d op name -> (kind, index of the argument that holds the logical buffer)
+_C10D = {
+    "_allgather_base_": (ALL_GATHER, 0), "allgather_": (ALL_GATHER, 0), "allgather_coalesced_": (ALL_GATHER, 0),
+    "allgather_into_tensor_coalesced_": (ALL_GATHER, 0),
+    "_reduce_scatter_base_": (REDUCE_SCATTER, 1), "reduce_scatter_": (REDUCE_SCATTER, 1),
+    "reduce_scatter_tensor_coalesced_": (REDUCE_SCATTER, 1),
+    "allreduce_": (ALL_REDUCE, 0), "allreduce_coalesced_": (ALL_REDUCE, 0),
+    "broadcast_": ("broadcast", 0), "alltoall_": ("all_to_all", 1), "alltoall_base_": ("all_to_all", 1),
+}
+_FUNCTIONAL = {
+    "all_gather_into_tensor": ALL_GATHER, "all_gather_into_tensor_coalesced": ALL_GATHER,
+    "reduce_scatter_tensor": REDUCE_SCATTER, "reduce_scatter_tensor_coalesced": REDUCE_SCATTER,
+    "all_reduce": ALL_REDUCE, "all_reduce_coalesced": ALL_REDUCE, "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str        # all_gather, reduce_scatter, all_reduce, broadcast, all_to_all
+    numel: int       # elements of the logical buffer (see the module docstring)
+    itemsize: int    # bytes per element
+    group_size: int  # ranks taking part
+
+    @property
+    def bytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def ring_bytes_sent(self) -> float:
+        """Bytes one rank sends for this collective on a ring (a broadcast: the whole buffer, pipelined)."""
+        n = self.group_size
+        if n <= 1:
+            return 0.0
+        factor = {ALL_REDUCE: 2 * (n - 1) / n, "broadcast": 1.0}.get(self.kind, (n - 1) / n)
+        return self.bytes * factor
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _group_size(args, functional: bool, name: str) -> int:
+    if functional:
+        if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_into_tensor_coalesced",
+                    "reduce_scatter_tensor_coalesced"):
+            return int(next(a for a in args if isinstance(a, int)))
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return dist.get_world_size(_resolve_process_group(args[-1]))
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):  # a c10d op carries its ProcessGroup boxed as a ScriptObject
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except Exception:  # noqa: BLE001 - a ReduceOp or another boxed object
+                continue
+    return 0
+
+
+class CollectiveLog(TorchDispatchMode):
+    """A dispatch mode that records every collective issued while it is active.
+
+        log = CollectiveLog()
+        with log:
+            model(x, y).backward()
+        log.counts()            # {'all_gather': 5, 'reduce_scatter': 3}
+        log.numel('all_gather') # elements gathered in all
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[Collective] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn itself into plain collectives first; we see those
+        out = func(*args, **kwargs)
+        packet = getattr(func, "_overloadpacket", None)
+        namespace = getattr(packet, "_qualified_op_name", "").split("::")[0]
+        name = getattr(packet, "__name__", "")
+        if namespace == "c10d" and name in _C10D:
+            kind, index = _C10D[name]
+            tensors = _tensors(args[index])
+            self._record(kind, tensors, _group_size(args, False, name))
+        elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
+            kind = _FUNCTIONAL[name]
+            tensors = _tensors(args[0])
+            size = _group_size(args, True, name)
+            numel_factor = size if kind == ALL_GATHER else 1  # the input is one rank's part of the output
+            self._record(kind, tensors, size, numel_factor)
+        return out
+
+    def _record(self, kind: str, tensors: list, group_size: int, numel_factor: int = 1) -> None:
+        if tensors:
+            self.calls.append(Collective(kind, numel_factor * sum(t.numel() for t in tensors),
+                                         tensors[0].element_size(), group_size))
+
+    def counts(self) -> dict[str, int]:
+        """Calls per kind."""
+        return dict(Counter(c.kind for c in self.calls))
+
+    def numel(self, kind: str) -> int:
+        """Elements moved by all calls of one kind (each call's logical buffer)."""
+        return sum(c.numel for c in self.calls if c.kind == kind)
+
+    def bytes(self, kind: str | None = None) -> int:
+        return sum(c.bytes for c in self.calls if kind is None or c.kind == kind)
+
+    def ring_bytes_sent(self, kind: str | None = None) -> float:
+        """Bytes one rank sends on a ring for all calls (of one kind)."""
+        return sum(c.ring_bytes_sent for c in self.calls if kind is None or c.kind == kind)
+
+    def summary(self) -> dict[str, dict]:
+        """{kind: {'calls', 'numel', 'bytes', 'group_sizes'}}, plain Python for a worker's return value."""
+        out: dict[str, dict] = {}
+        for c in self.calls:
+            entry = out.setdefault(c.kind, {"calls": 0, "numel": 0, "bytes": 0, "group_sizes": []})
+            entry["calls"] += 1
+            entry["numel"] += c.numel
+            entry["bytes"] += c.bytes
+            if c.group_size not in entry["group_sizes"]:
+                entry["group_sizes"].append(c.group_size)
+        return out

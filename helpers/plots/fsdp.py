@@ -1,0 +1,96 @@
+"""Figures of notebook 03 (FSDP2, DeviceMesh, DTensor): memory per rank, collectives per step, the loss curve.
+
+Each function takes what the workers measured (plain dicts) and the formula to draw beside it; none measures.
+"""
+from __future__ import annotations
+
+from . import new_figure
+
+STATE_PARTS = ("parameters", "gradients", "optimizer")
+_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868",
+           "all_gather": "#4C72B0", "reduce_scatter": "#DD8452", "all_reduce": "#8172B3"}
+
+
+def state_bytes_bars(rows: list[dict], zero_total: dict[int, float], unit: float = 2**20, unit_name: str = "MiB"):
+    """Model state per rank (stacked parameters, gradients, optimizer) for each strategy and world size.
+
+    rows: one per (strategy, world_size), each {'strategy', 'world_size', 'parameters', 'gradients', 'optimizer',
+        'activations'} in bytes (the largest rank's figure).
+    zero_total: {world_size: ZeRO's 16Ψ/N} drawn as a black tick over the FSDP bar of that world size.
+    The right panel shows the activations saved for backward, which neither strategy shards.
+    """
+    fig, (ax, ax_act) = new_figure(ncols=2, width=5.6, height=3.8)
+    strategies = sorted({r["strategy"] for r in rows})
+    sizes = sorted({r["world_size"] for r in rows})
+    width = 0.8 / len(strategies)
+    for i, strategy in enumerate(strategies):
+        for j, n in enumerate(sizes):
+            row = next((r for r in rows if r["strategy"] == strategy and r["world_size"] == n), None)
+            if row is None:
+                continue
+            x, bottom = j + (i - (len(strategies) - 1) / 2) * width, 0.0
+            for part in STATE_PARTS:
+                ax.bar(x, row[part] / unit, width * 0.9, bottom=bottom, color=_COLORS[part],
+                       hatch="//" if strategy != strategies[0] else None, edgecolor="white",
+                       label=part if (i, j) == (0, 0) else None)
+                bottom += row[part] / unit
+            ax.annotate(strategy, (x, bottom), ha="center", va="bottom", fontsize=7)
+            if strategy.upper().startswith("FSDP") and n in zero_total:
+                ax.plot([x - width * 0.45, x + width * 0.45], [zero_total[n] / unit] * 2, color="black", lw=2,
+                        label="ZeRO 16Ψ/N" if j == 0 else None)
+            ax_act.bar(x, row["activations"] / unit, width * 0.9, color="#937860",
+                       hatch="//" if strategy != strategies[0] else None, edgecolor="white")
+            ax_act.annotate(strategy, (x, row["activations"] / unit), ha="center", va="bottom", fontsize=7)
+    for a in (ax, ax_act):
+        a.set_xticks(range(len(sizes)), [f"N = {n}" for n in sizes])
+    ax.set_ylabel(f"{unit_name} per rank")
+    ax.set_title("model state per rank (Adam, fp32)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)
+    ax.legend(fontsize=8, ncols=2, loc="upper right")
+    ax_act.set_ylabel(f"{unit_name} per rank")
+    ax_act.set_title("activations saved for backward (same per-rank batch)")
+    return fig
+
+
+def collective_bars(configs: dict[str, dict], unit: float = 2**20, unit_name: str = "MiB"):
+    """Bytes one rank sends per training step on a ring, stacked by collective, with the call counts written on.
+
+    configs: {label: {kind: {'calls', 'ring_bytes'}}}, e.g. 'DDP', 'FSDP (default)', ...
+    """
+    fig, (ax,) = new_figure(width=7.0, height=3.6)
+    kinds = [k for k in ("all_gather", "reduce_scatter", "all_reduce")
+             if any(k in c for c in configs.values())]
+    for x, (label, summary) in enumerate(configs.items()):
+        bottom = 0.0
+        for kind in kinds:
+            if kind not in summary:
+                continue
+            height = summary[kind]["ring_bytes"] / unit
+            ax.bar(x, height, 0.6, bottom=bottom, color=_COLORS[kind], label=kind if x == 0 or kind not in
+                   {k for s in list(configs.values())[:x] for k in s} else None)
+            ax.annotate(f"{summary[kind]['calls']}×", (x, bottom + height / 2), ha="center", va="center",
+                        fontsize=8, color="white")
+            bottom += height
+    ax.set_xticks(range(len(configs)), list(configs), fontsize=8)
+    ax.set_ylabel(f"{unit_name} sent per rank per step (ring)")
+    ax.set_title("collectives per training step")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def loss_curve(losses: list[float], levels: dict[str, float] | None = None, window: int = 10):
+    """Training loss per step (and its running mean), with reference levels such as ln(V) drawn across."""
+    fig, (ax,) = new_figure(width=7.0, height=3.6)
+    steps = range(1, len(losses) + 1)
+    ax.plot(steps, losses, color="#4C72B0", alpha=0.35, lw=1, label="loss (mean over ranks)")
+    if len(losses) >= window:
+        running = [sum(losses[i - window:i]) / window for i in range(window, len(losses) + 1)]
+        ax.plot(range(window, len(losses) + 1), running, color="#4C72B0", lw=2, label=f"running mean ({window})")
+    for (name, value), style in zip((levels or {}).items(), ("--", ":", "-.")):
+        ax.axhline(value, color="gray", ls=style, lw=1)
+        ax.annotate(name, (len(losses), value), ha="right", va="bottom", fontsize=8, color="dimgray")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats per character)")
+    ax.set_title("TinyGPT trained with FSDP2 on CPython's language reference")
+    ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,85 @@
+"""FSDP2's per-rank arithmetic: torch.chunk's split, the padding, and agreement with a real fully_shard."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from helpers.fsdp_shards import fsdp_state_bytes, padded_numel, padded_rows, padding_numel, shard_numel, shard_rows
+
+SHAPES = [(103, 128), (64, 128), (384, 128), (384,), (128,), (5, 3), (1, 7)]
+
+
+@pytest.mark.parametrize("dim0", [1, 2, 3, 5, 7, 64, 103, 384])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_shard_rows_follow_torch_chunk(dim0, world_size):
+    chunks = [c.shape[0] for c in torch.arange(dim0).chunk(world_size)]
+    chunks += [0] * (world_size - len(chunks))  # chunk returns fewer pieces; those ranks own nothing
+    assert [shard_rows(dim0, world_size, r) for r in range(world_size)] == chunks
+    assert padded_rows(dim0, world_size) == max(chunks)
+    assert dim0 <= world_size * padded_rows(dim0, world_size) < dim0 + world_size
+
+
+def test_held_bytes_add_up_to_zeros_16_psi_and_allocated_is_padded():
+    psi = sum(math.prod(s) for s in SHAPES)
+    for n in (1, 2, 3, 4):
+        per_rank = [fsdp_state_bytes(SHAPES, n, r) for r in range(n)]
+        assert sum(sum(p["held"].values()) for p in per_rank) == 16 * psi
+        assert sum(shard_numel(SHAPES, n, r) for r in range(n)) == psi
+        for p in per_rank:
+            assert p["allocated"]["parameters"] == p["allocated"]["gradients"] == 4 * padded_numel(SHAPES, n)
+            assert n * p["allocated"]["parameters"] == 4 * (psi + padding_numel(SHAPES, n))
+            assert p["allocated"]["optimizer"] == p["held"]["optimizer"]
+    assert padding_numel(SHAPES, 1) == 0
+    assert padding_numel([(103, 128)], 2) == 128 and padding_numel([(5, 3)], 4) == 9  # 4 x 2 rows - 5
+
+
+def test_mixed_precision_byte_widths_are_honoured():
+    b = fsdp_state_bytes([(10, 2)], 2, 0, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    assert b["held"] == {"parameters": 20, "gradients": 20, "optimizer": 120}
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError):
+        shard_rows(10, 2, 2)
+    with pytest.raises(ValueError):
+        padded_rows(10, 0)
+
+
+def _fsdp_bytes_worker(vocab):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers.memory import allocated_state_bytes, model_state_bytes
+    from helpers.models import GPTConfig, TinyGPT
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=vocab, d_model=32, n_layers=1, n_heads=2, seq_len=8))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    for block in model.blocks:
+        fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randint(0, vocab, (2, 8))
+    model(x, x).backward()
+    opt.step()
+    out = {"shapes": shapes, "held": model_state_bytes(model, opt), "allocated": allocated_state_bytes(model, opt)}
+    dist.destroy_process_group()
+    return out
+
+
+def test_formula_matches_a_real_fully_shard():
+    import helpers
+
+    results = helpers.launch(_fsdp_bytes_worker, 13, world_size=2, timeout=120, quiet=True)
+    for rank, r in enumerate(results):
+        expected = fsdp_state_bytes(r["shapes"], 2, rank)
+        assert r["held"] == expected["held"]
+        assert r["allocated"] == expected["allocated"]
+    assert results[0]["held"] != results[1]["held"], "13 rows split 7 / 6: the ranks differ"
