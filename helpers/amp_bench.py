@@ -105,7 +105,7 @@ def median_spread(values) -> tuple[float, float]:
 
 
 def matmul_flops(device, configs: dict[str, tuple[torch.dtype, str]], m: int, k: int, n: int,
-                 min_seconds: float = 0.05, max_iters: int = 200, repeats: int = 5, seed: int = 0) -> dict[str, float]:
+                 min_seconds: float = 0.05, max_iters: int = 200, repeats: int = 7, seed: int = 0) -> dict[str, float]:
     """Measured FLOP/s of (m x k) @ (k x n) for each config {name: (dtype, fp32 precision)} on `device`.
 
     A ceiling is what the hardware can do, so each config keeps its best burst; the bursts of all configs are
