@@ -1,17 +1,32 @@
-"""'Take it to your project': the same worker function as a script, run under torchrun from the notebook.
+"""'Take it to your project': a worker function as a script, run under torchrun from a notebook cell.
 
 Why the function's own source: the script a reader copies must be the code the notebook just ran, not a second
 copy that drifts. `write_script` takes the function's text (inspect.getsource, which works for notebook cells too)
-and adds only the imports and a `__main__` block; `run_torchrun` runs it as `torchrun` would be typed.
+and adds only the imports and a `__main__` block.
+
+Running it: its output live in the cell, a timeout, nothing left behind.
+
+Why not `!torchrun ...`: a shell escape cannot be given a timeout, loses the exit status in the notebook's logic,
+and leaves the agent and its workers running when the cell is interrupted. Here torchrun runs in a session of its
+own; on timeout or interrupt the whole session (agent and workers) is stopped. The torchrun used is the one next
+to the kernel's interpreter, so the workers run the same torch as the notebook.
 """
 from __future__ import annotations
 
 import inspect
-import shlex
+import os
+import queue
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_script(fn, path, imports: str, main: str | None = None) -> Path:
@@ -27,14 +42,6 @@ def write_script(fn, path, imports: str, main: str | None = None) -> Path:
     return path
 
 
-def torchrun_command(script, nproc: int, *extra: str, standalone: bool = True) -> list[str]:
-    """The command torchrun runs (python -m torch.distributed.run is torchrun, without relying on PATH)."""
-    base = [sys.executable, "-m", "torch.distributed.run"]
-    if standalone:
-        base.append("--standalone")
-    return base + [f"--nproc-per-node={nproc}", *extra, str(script)]
-
-
 def torchrun_lines(script: str, nproc: str = "gpu", nodes: int = 2, endpoint: str = "HOST_OF_NODE_0:29500") -> str:
     """What to type on one machine and on each of several, as text for the reader."""
     return (f"# one machine, one process per GPU (or --nproc-per-node=N CPU processes):\n"
@@ -46,21 +53,87 @@ def torchrun_lines(script: str, nproc: str = "gpu", nodes: int = 2, endpoint: st
             f"#  LOCAL_RANK in the environment instead of passing --local_rank, and restarts failed workers.)")
 
 
-def run_torchrun(script, nproc: int = 2, *extra: str, timeout: float = 300, standalone: bool = True,
-                 env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the script under torchrun, print the command and its output, return the finished process."""
-    import os
-    import tempfile
+def torchrun_path() -> str:
+    """The torchrun of this interpreter's environment (never one found first on PATH)."""
+    beside = Path(sys.executable).with_name("torchrun")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("torchrun")
+    if found is None:
+        raise FileNotFoundError("no torchrun next to sys.executable nor on PATH")
+    return found
 
-    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
-        # --tee=3 makes torchrun prefix every line with its rank ([default0]:), as helpers.launch does.
-        cmd = torchrun_command(script, nproc, "--tee=3", f"--log-dir={logs}", *extra, standalone=standalone)
-        shown = [c for c in cmd[3:] if not c.startswith("--log-dir")]
-        print("$ " + " ".join(shlex.quote(c) for c in ["torchrun", *shown]))
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
-    print(done.stdout.rstrip())
-    if done.stderr.strip():
-        print(done.stderr.rstrip(), file=sys.stderr)
-    print(f"(exit code {done.returncode})")
-    return done
+
+@dataclass
+class TorchrunResult:
+    returncode: int
+    output: str
+    command: list[str]
+    seconds: float
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_torchrun(script: str | os.PathLike, *script_args: str, nproc: int = 2, max_restarts: int = 0,
+                 log_dir: str | os.PathLike | None = None, extra: tuple[str, ...] = (), env: dict | None = None,
+                 timeout: float = 300.0, echo: bool = True) -> TorchrunResult:
+    """`torchrun --standalone --nproc-per-node N --max-restarts R [--log-dir D] script args`, streamed.
+
+    The repository root is put on the workers' PYTHONPATH so a script may import `helpers`. Returns the exit
+    status and the whole output; raises TimeoutError (after stopping everything) if it outlives `timeout`.
+    """
+    command = [torchrun_path(), "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
+    if log_dir is not None:
+        command.append(f"--log-dir={log_dir}")
+    command += [*extra, str(script), *map(str, script_args)]
+    child_env = {**os.environ, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), child_env.get("PYTHONPATH", "")) if p)
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    start = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, errors="backslashreplace", env=child_env, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    captured: list[str] = []
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=0.1)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                captured.append(line)
+                if echo:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+            if time.monotonic() - start > timeout:
+                _stop_session(proc)
+                raise TimeoutError(f"torchrun outlived {timeout:g} s and was stopped; last output:\n"
+                                   + "".join(captured[-20:]))
+        proc.wait()
+    except BaseException:
+        _stop_session(proc)
+        raise
+    finally:
+        reader.join(timeout=5)
+    return TorchrunResult(proc.returncode, "".join(captured), command, time.monotonic() - start)

@@ -1,0 +1,124 @@
+"""Figures of notebook 05 (mixed precision, activation checkpointing): each takes measured results, draws them,
+returns the Figure. Nothing here measures."""
+from __future__ import annotations
+
+import math
+
+from . import new_figure
+
+MODE_COLORS = {"fp32": "tab:blue", "tf32": "tab:cyan", "bf16": "tab:green", "fp16": "tab:orange"}
+
+
+def scaler_trajectory(log: list[dict], growth_interval: int):
+    """GradScaler at work: the loss scale per step (log2), overflowed steps marked, and the loss."""
+    fig, (ax, ax_loss) = new_figure(2, width=5.5)
+    steps = [r["step"] for r in log]
+    ax.step(steps, [math.log2(r["scale"]) for r in log], where="post", color="tab:blue", label="loss scale")
+    skipped = [r for r in log if r["overflow"]]
+    ax.scatter([r["step"] for r in skipped], [math.log2(r["scale"]) for r in skipped], color="tab:red",
+               marker="x", zorder=3, label="inf/nan found: step skipped, scale halved")
+    ax.set_xlabel("step")
+    ax.set_ylabel("log2(loss scale)")
+    ax.set_title(f"GradScaler (growth_interval={growth_interval})")
+    ax.legend(fontsize=8)
+    ax_loss.plot(steps, [r["loss"] for r in log], color="tab:gray")
+    ax_loss.scatter([r["step"] for r in skipped], [r["loss"] for r in skipped], color="tab:red", marker="x",
+                    zorder=3)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss (fp16 autocast)")
+    ax_loss.set_title("loss; skipped steps leave the weights unchanged")
+    return fig
+
+
+def precision_comparison(result: dict, modes: list[str]):
+    """Loss curves of each precision from the same start, their distance from fp32, and step speed-up against
+    the matmul ceilings measured in the same run."""
+    fig, (ax_loss, ax_diff, ax_speed) = new_figure(3, width=4.6)
+    for mode in modes:
+        losses = result["losses"][mode]
+        style = {"label": mode, "color": MODE_COLORS.get(mode), "linestyle": "--" if mode == "tf32" else "-"}
+        ax_loss.plot(range(1, len(losses) + 1), losses, alpha=0.9, **style)
+        if mode != "fp32":
+            diff = [a - b for a, b in zip(losses, result["losses"]["fp32"])]
+            ax_diff.plot(range(1, len(diff) + 1), diff, **style)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("training loss")
+    ax_loss.set_title("same weights, same batches")
+    ax_loss.legend(fontsize=8)
+    ax_diff.axhline(0.0, color=MODE_COLORS["fp32"], linewidth=1)
+    ax_diff.set_xlabel("step")
+    ax_diff.set_ylabel("loss minus fp32 loss")
+    ax_diff.set_title("distance from the fp32 curve")
+    ax_diff.legend(fontsize=8)
+
+    x = range(len(modes))
+    width = 0.27
+    speed = [result["speedup"][m] for m in modes]
+    shape = [result["ceiling_model"][m] for m in modes]
+    square = [result["ceiling_square"][m] for m in modes]
+    ax_speed.bar([i - width for i in x], speed, width, label="training step (median)",
+                 color=[MODE_COLORS.get(m) for m in modes])
+    ax_speed.bar(list(x), shape, width, label="matmul, the model's MLP shape", color="lightgray",
+                 edgecolor="black")
+    ax_speed.bar([i + width for i in x], square, width, label="matmul, large square", color="white",
+                 edgecolor="black", hatch="//")
+    ax_speed.axhline(1.0, color="black", linewidth=0.8)
+    ax_speed.set_xticks(list(x), modes)
+    ax_speed.set_yscale("log")
+    ax_speed.set_ylabel("speed-up over fp32 (log scale)")
+    ax_speed.set_title(result["device_name"], fontsize=10)
+    ax_speed.legend(fontsize=7)
+    return fig
+
+
+def activation_checkpointing(result: dict):
+    """Memory kept for backward and peak memory of one step, against step time, without and with checkpointing."""
+    fig, (ax_mem, ax_time) = new_figure(2, width=5.2)
+    labels = ["no checkpointing", "per-block checkpointing"]
+    keys = [False, True]
+    mib = 2.0 ** 20
+    saved = [result["saved_bytes"][k] / mib for k in keys]
+    peak = [result["peak_bytes"][k] / mib for k in keys]
+    ax_mem.bar([0 - 0.2, 1 - 0.2], saved, 0.4, label="saved for backward (end of forward)", color="tab:blue")
+    ax_mem.bar([0 + 0.2, 1 + 0.2], peak, 0.4, label=result["peak_label"], color="tab:purple")
+    ax_mem.set_xticks([0, 1], labels)
+    ax_mem.set_ylabel("MiB")
+    ax_mem.set_title(f"TinyGPT, {result['n_layers']} blocks")
+    ax_mem.legend(fontsize=8)
+    times = [result["step_ms"][k] for k in keys]
+    ax_time.bar([0, 1], times, 0.5, color=["tab:gray", "tab:red"])
+    ax_time.set_xticks([0, 1], labels)
+    ax_time.set_ylabel("step time, ms (median)")
+    ax_time.set_title("the price: recomputing each block's forward")
+    return fig
+
+
+DTYPE_COLORS = {"float32": "tab:blue", "bfloat16": "tab:green", "float16": "tab:orange"}
+
+
+def collective_bytes(rows: list[tuple[str, str, float]], title: str):
+    """Bytes per training step moved by each collective, one bar per (label, dtype, bytes), coloured by dtype."""
+    fig, (ax,) = new_figure(1, width=8.0, height=0.45 * len(rows) + 1.2)
+    values = [r[2] / 2.0 ** 20 for r in rows]
+    ax.barh(range(len(rows)), values, color=[DTYPE_COLORS.get(r[1], "tab:gray") for r in rows])
+    ax.set_yticks(range(len(rows)), [f"{r[0]} ({r[1]})" for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB per step, per rank")
+    ax.set_title(title)
+    return fig
+
+
+def speedup_sweep(rows: list[dict]):
+    """bf16 autocast's step speed-up over fp32 against model width, beside the matmul ceiling at each width."""
+    fig, (ax,) = new_figure(1, width=6.0, height=3.4)
+    d = [r["d_model"] for r in rows]
+    ax.plot(d, [r["speedup"] for r in rows], "o-", color=MODE_COLORS["bf16"], label="training step (median)")
+    ax.plot(d, [r["ceiling"] for r in rows], "s--", color="black", label="matmul ceiling at the MLP shape")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(d, [str(v) for v in d])
+    ax.set_xlabel("d_model")
+    ax.set_ylabel("bf16 speed-up over fp32")
+    ax.set_title("the gain grows as matmuls dominate the step")
+    ax.legend(fontsize=8)
+    return fig

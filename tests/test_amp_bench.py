@@ -1,0 +1,84 @@
+"""Unit tests of helpers.amp_bench: the closed forms are checked against the real torch objects they describe."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import amp_bench
+
+
+def test_scale_trajectory_matches_a_real_gradscaler():
+    # Drive torch's GradScaler with gradients we make finite or infinite on purpose, and compare its scale
+    # with the closed form at every step.
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    pattern = [True, False, False, False, False, True, False, False, False, True, True, False]
+    seen = []
+    for overflow in pattern:
+        seen.append(scaler.get_scale())
+        loss = (w * (float("inf") if overflow else 1.0)).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert seen == amp_bench.scale_trajectory(2.0 ** 10, pattern, growth_interval=3)
+
+
+def test_scale_trajectory_rules():
+    assert amp_bench.scale_trajectory(8.0, [True, True]) == [8.0, 4.0]
+    assert amp_bench.scale_trajectory(1.0, [False] * 5, growth_interval=2) == [1.0, 1.0, 2.0, 2.0, 4.0]
+    # an overflow restarts the count of clean steps
+    assert amp_bench.scale_trajectory(1.0, [False, True, False, False], growth_interval=2) == [1.0, 1.0, 0.5, 0.5]
+
+
+def test_fp32_matmul_precision_sets_and_restores():
+    before = torch.backends.cuda.matmul.fp32_precision
+    with amp_bench.fp32_matmul_precision("tf32"):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    with pytest.raises(ValueError):
+        with amp_bench.fp32_matmul_precision("high"):
+            pass
+
+
+def test_median_spread():
+    assert amp_bench.median_spread([3.0, 1.0, 2.0]) == (2.0, 1.0)
+    median, spread = amp_bench.median_spread([1, 2, 3, 4, 5, 6, 7, 100])
+    assert median == 4.5 and spread < 5  # one outlier barely moves either
+    with pytest.raises(ValueError):
+        amp_bench.median_spread([])
+
+
+def test_matmul_flops_is_a_plausible_rate():
+    configs = {"fp32": (torch.float32, "ieee"), "bf16": (torch.bfloat16, "ieee")}
+    flops = amp_bench.matmul_flops("cpu", configs, 64, 64, 64, min_seconds=0.005, repeats=2)
+    assert set(flops) == {"fp32", "bf16"}
+    assert all(1e6 < f < 1e15 for f in flops.values()), flops
+
+
+def test_matmul_error_orders_formats_by_mantissa():
+    e32 = amp_bench.matmul_error("cpu", torch.float32, n=64)
+    e16 = amp_bench.matmul_error("cpu", torch.float16, n=64)
+    eb16 = amp_bench.matmul_error("cpu", torch.bfloat16, n=64)
+    assert eb16 > e16 > e32 > 0
+    assert e32 < 1e-5 and eb16 < 2.0 ** -6  # bounded by the output rounding of each format, roughly
+
+
+def test_cpu_low_precision_reports_consistent_facts():
+    facts = amp_bench.cpu_low_precision()
+    assert facts["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert facts["bf16_hardware"] == (facts["avx512_bf16"] or facts["amx_tile"])
+    assert facts["tf32_hardware"] is False
+
+
+def test_amdahl_bound_and_verdicts():
+    assert amp_bench.amdahl_bound(4.0) == 4.0 and amp_bench.amdahl_bound(1.2) == 2.0
+    assert amp_bench.speedup_verdict(2.5, 2, 3, True).startswith("HOLDS")
+    assert amp_bench.speedup_verdict(1.1, 2, 3, True, ceiling=4.0).startswith("DOES NOT HOLD")
+    assert "not matmul-bound" in amp_bench.speedup_verdict(1.1, 2, 3, True, ceiling=4.0)
+    assert "below the claim" in amp_bench.speedup_verdict(1.1, 2, 3, True, ceiling=1.5)
+    assert amp_bench.speedup_verdict(5.0, 2, 3, True).startswith("EXCEEDED")
+    assert amp_bench.speedup_verdict(1.6, 1.5, None, True).startswith("HOLDS")
+    assert amp_bench.speedup_verdict(0.1, 2, 3, False, reason="no unit").startswith("NOT APPLICABLE HERE: no unit")

@@ -1,0 +1,38 @@
+"""The figures of notebooks 05 and 06 draw what they are given (no measuring inside), on any backend."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from helpers.plots import checkpoint, precision  # noqa: E402
+
+MODES = ["fp32", "tf32", "bf16", "fp16"]
+
+
+def test_precision_figures():
+    bench = {"losses": {m: [3.0, 2.5, 2.0] for m in MODES}, "speedup": dict.fromkeys(MODES, 1.0),
+             "ceiling_model": dict.fromkeys(MODES, 2.0), "ceiling_square": dict.fromkeys(MODES, 3.0),
+             "device_name": "test"}
+    fig = precision.precision_comparison(bench, MODES)
+    assert len(fig.axes) == 3
+    assert len(fig.axes[0].lines) == 4 and len(fig.axes[1].lines) == 4  # 3 differences + the zero line
+    log = [{"step": i, "scale": 2.0 ** (10 - i), "overflow": i < 2, "loss": 1.0} for i in range(5)]
+    assert len(precision.scaler_trajectory(log, 3).axes) == 2
+    ac = {"saved_bytes": {False: 4e6, True: 1e6}, "peak_bytes": {False: 5e6, True: 2e6},
+          "step_ms": {False: 10.0, True: 13.0}, "n_layers": 4, "peak_label": "peak"}
+    assert len(precision.activation_checkpointing(ac).axes) == 2
+    rows = [("DDP: all-reduce", "float32", 4e6), ("FSDP: all-gather", "bfloat16", 2e6)]
+    fig = precision.collective_bytes(rows, "t")
+    assert [p.get_width() for p in fig.axes[0].patches] == [4e6 / 2 ** 20, 2e6 / 2 ** 20]
+    sweep = [{"d_model": d, "speedup": 1.0 + d / 512, "ceiling": 4.0} for d in (128, 256, 512)]
+    assert len(precision.speedup_sweep(sweep).axes[0].lines) == 3  # speed-up, ceiling, 1x line
+
+
+def test_checkpoint_figures():
+    fig = checkpoint.save_costs({"disk write + fsync": 2e8, "dcp.save": 1e8}, {"dcp.save": 0.2, "async": 0.05})
+    assert len(fig.axes) == 2 and len(fig.axes[1].patches) == 2
+    ref = {s: 4.0 - s / 10 for s in range(1, 21)}
+    fig = checkpoint.resumed_trajectory(ref, [{s: ref[s] for s in range(1, 16)}, {s: ref[s] for s in range(11, 21)}],
+                                        [10], 15, "t")
+    assert len(fig.axes[0].lines) == 1 + 2 + 1 + 1  # reference, two attempts, a checkpoint, the failure

@@ -1,0 +1,40 @@
+"""Unit tests of helpers.torchrun: a real torchrun, its exit status, its output, and the timeout."""
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from helpers.torchrun import run_torchrun, torchrun_path
+
+
+def test_torchrun_is_the_one_beside_the_interpreter():
+    import sys
+    from pathlib import Path
+
+    path = Path(torchrun_path())
+    assert path.name == "torchrun"
+    if Path(sys.executable).with_name("torchrun").exists():
+        assert path == Path(sys.executable).with_name("torchrun")
+
+
+def test_runs_a_script_and_reports_its_status(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+                      "import helpers\nsys.exit(3 if os.environ.get('FAIL') else 0)\n")
+    ok = run_torchrun(script, nproc=1, echo=False, timeout=120)
+    assert ok.returncode == 0 and "rank 0 of 1" in ok.output
+    bad = run_torchrun(script, nproc=1, echo=False, timeout=120, env={"FAIL": "1"})
+    assert bad.returncode != 0
+
+
+def test_timeout_stops_everything(tmp_path):
+    script = tmp_path / "sleepy.py"
+    script.write_text("import os, time\nprint('worker pid', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        run_torchrun(script, nproc=1, echo=False, timeout=10)
+    assert time.monotonic() - start < 40
+    pid = int(str(info.value).split("worker pid")[1].split()[0])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
