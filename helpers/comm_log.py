@@ -1,10 +1,14 @@
-"""Record the collectives a training step issues, with their sizes: what CommDebugMode counts, plus volume.
+"""Record the collectives a training step issues: kind, dtype, size and group, as they are issued.
+
+Why a dispatch mode: FSDP2 issues its all-gathers and reduce-scatters through the c10d ops of the dispatcher, and
+DDP's C++ reducer issues its bucket all-reduce there too, so a TorchDispatchMode sees each call with its tensors, on
+any backend (gloo here, NCCL on GPUs), without patching either. It also sees functional collectives (DTensor's
+redistribute). That is how the notebooks check against closed forms the number and size of FSDP2's collectives
+(03) and that a MixedPrecisionPolicy all-gathers in bf16 and reduce-scatters in fp32 (05).
 
 Why beside `torch.distributed.tensor.debug.CommDebugMode`: that mode counts collectives per kind (and per module),
-which is what a notebook should show, but keeps sizes only for DTensor arguments. FSDP2 and DDP issue plain c10d
-collectives on flat buffers, so to compare their traffic we need each call's element count. `CollectiveLog` is a
-dispatch mode too: it sees c10d ops (FSDP2's all-gather and reduce-scatter, DDP's bucket all-reduce, which its C++
-reducer issues through the dispatcher) and functional collectives (DTensor's redistribute).
+which is what a notebook should show, but keeps sizes only for DTensor arguments, while FSDP2 and DDP issue plain
+c10d collectives on flat buffers.
 
 Sizes are the collective's logical buffer: an all-gather's output, a reduce-scatter's input, an all-reduce's
 tensor. On a ring, each rank then sends (N-1)/N of that buffer for an all-gather or a reduce-scatter, and twice
@@ -43,6 +47,8 @@ class Collective:
     numel: int       # elements of the logical buffer (see the module docstring)
     itemsize: int    # bytes per element
     group_size: int  # ranks taking part
+    dtype: str = ""  # of the buffer on the wire, e.g. "bfloat16"
+    op: str = ""     # the op as dispatched, e.g. "_allgather_base_" (c10d) or "all_reduce" (functional)
 
     @property
     def bytes(self) -> int:
@@ -94,6 +100,7 @@ class CollectiveLog(TorchDispatchMode):
             model(x, y).backward()
         log.counts()            # {'all_gather': 5, 'reduce_scatter': 3}
         log.numel('all_gather') # elements gathered in all
+        log.summary()           # {'all_gather': {'calls', 'numel', 'bytes', 'group_sizes', 'dtypes'}, ...}
     """
 
     def __init__(self):
@@ -113,19 +120,20 @@ class CollectiveLog(TorchDispatchMode):
         if namespace == "c10d" and name in _C10D:
             kind, index = _C10D[name]
             tensors = _tensors(args[index])
-            self._record(kind, tensors, _group_size(args, False, name))
+            self._record(kind, name, tensors, _group_size(args, False, name))
         elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
             kind = _FUNCTIONAL[name]
             tensors = _tensors(args[0])
             size = _group_size(args, True, name)
             numel_factor = size if kind == ALL_GATHER else 1  # the input is one rank's part of the output
-            self._record(kind, tensors, size, numel_factor)
+            self._record(kind, name, tensors, size, numel_factor)
         return out
 
-    def _record(self, kind: str, tensors: list, group_size: int, numel_factor: int = 1) -> None:
+    def _record(self, kind: str, op: str, tensors: list, group_size: int, numel_factor: int = 1) -> None:
         if tensors:
             self.calls.append(Collective(kind, numel_factor * sum(t.numel() for t in tensors),
-                                         tensors[0].element_size(), group_size))
+                                         tensors[0].element_size(), group_size,
+                                         str(tensors[0].dtype).replace("torch.", ""), op))
 
     def counts(self) -> dict[str, int]:
         """Calls per kind."""
@@ -143,13 +151,17 @@ class CollectiveLog(TorchDispatchMode):
         return sum(c.ring_bytes_sent for c in self.calls if kind is None or c.kind == kind)
 
     def summary(self) -> dict[str, dict]:
-        """{kind: {'calls', 'numel', 'bytes', 'group_sizes'}}, plain Python for a worker's return value."""
+        """{kind: {'calls', 'numel', 'bytes', 'group_sizes', 'dtypes'}}, plain Python for a worker's return value.
+
+        'group_sizes' and 'dtypes' list the distinct values seen, in the order first seen."""
         out: dict[str, dict] = {}
         for c in self.calls:
-            entry = out.setdefault(c.kind, {"calls": 0, "numel": 0, "bytes": 0, "group_sizes": []})
+            entry = out.setdefault(c.kind, {"calls": 0, "numel": 0, "bytes": 0, "group_sizes": [], "dtypes": []})
             entry["calls"] += 1
             entry["numel"] += c.numel
             entry["bytes"] += c.bytes
             if c.group_size not in entry["group_sizes"]:
                 entry["group_sizes"].append(c.group_size)
+            if c.dtype not in entry["dtypes"]:
+                entry["dtypes"].append(c.dtype)
         return out

@@ -1,0 +1,80 @@
+"""CollectiveLog: kinds, dtypes, sizes and group sizes of the collectives a step issues."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers.comm_log import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, CollectiveLog
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ring_bytes_follow_the_busbw_factors():
+    assert Collective(ALL_REDUCE, 100, 4, 4).ring_bytes_sent == pytest.approx(400 * 2 * 3 / 4)
+    assert Collective(ALL_GATHER, 100, 2, 2).ring_bytes_sent == pytest.approx(200 * 1 / 2)
+    assert Collective(REDUCE_SCATTER, 8, 4, 1).ring_bytes_sent == 0
+
+
+def test_records_op_dtype_and_bytes(one_rank_group):
+    shard = torch.ones(10, dtype=torch.bfloat16)
+    full = torch.empty(10, dtype=torch.bfloat16)
+    grads = torch.ones(8)
+    with CollectiveLog() as log:
+        dist.all_gather_single(full, shard)  # all_gather_into_tensor before torch 2.13
+        dist.all_reduce(grads)
+        dist.reduce_scatter_single(torch.empty(8), torch.ones(8))  # reduce_scatter_tensor before 2.13
+    assert [c.op for c in log.calls] == ["_allgather_base_", "allreduce_", "_reduce_scatter_base_"]
+    assert [c.kind for c in log.calls] == [ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER]
+    gather, reduce, scatter = log.calls
+    assert gather.dtype == "bfloat16" and gather.bytes == 20 and gather.group_size == 1
+    assert reduce.dtype == "float32" and reduce.bytes == 32
+    assert scatter.dtype == "float32" and scatter.bytes == 32
+    assert log.summary()[ALL_GATHER] == {"calls": 1, "numel": 10, "bytes": 20, "group_sizes": [1],
+                                         "dtypes": ["bfloat16"]}
+
+
+def test_ignores_ordinary_ops(one_rank_group):
+    with CollectiveLog() as log:
+        torch.ones(4) + 1
+    assert log.calls == []
+
+
+def _collectives_worker():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    log = CollectiveLog()
+    with log:
+        t = torch.ones(10)
+        dist.all_reduce(t)
+        out = torch.empty(6 * world, dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(out, torch.ones(6, dtype=torch.bfloat16))
+        rs = torch.empty(3)
+        dist.reduce_scatter_tensor(rs, torch.ones(3 * world))
+        mesh = init_device_mesh("cpu", (world,))
+        d = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+        d.redistribute(mesh, [Replicate()])
+    dist.destroy_process_group()
+    return log.summary(), log.counts(), log.ring_bytes_sent()
+
+
+def test_log_records_c10d_and_dtensor_collectives():
+    import helpers
+
+    summary, counts, ring = helpers.launch(_collectives_worker, world_size=2, timeout=120, quiet=True)[0]
+    assert summary[ALL_REDUCE] == {"calls": 1, "numel": 10, "bytes": 40, "group_sizes": [2], "dtypes": ["float32"]}
+    # one plain bf16 all-gather of 12 elements (its output), one fp32 from the DTensor redistribute of the 4 x 2 tensor
+    assert summary[ALL_GATHER] == {"calls": 2, "numel": 12 + 8, "bytes": 12 * 2 + 8 * 4, "group_sizes": [2],
+                                   "dtypes": ["bfloat16", "float32"]}
+    assert summary[REDUCE_SCATTER] == {"calls": 1, "numel": 6, "bytes": 24, "group_sizes": [2],
+                                       "dtypes": ["float32"]}
+    assert counts == {ALL_REDUCE: 1, ALL_GATHER: 2, REDUCE_SCATTER: 1}
+    assert ring == pytest.approx(40 * 2 * 0.5 + (12 * 2 + 8 * 4) * 0.5 + 24 * 0.5)
