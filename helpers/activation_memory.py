@@ -10,12 +10,12 @@ Two honest measures instead:
   temporaries, optimizer state created on the first step. Tensors that existed before (parameters) are not
   counted. On a GPU it tracks `torch.cuda.max_memory_allocated` minus the baseline, without the allocator's
   rounding and fragmentation.
-- `saved_tensor_bytes`: the bytes autograd keeps for backward (the pack hook of `saved_tensors_hooks`), counted
-  once per storage. This is the "activation memory" that checkpointing trades for recomputation.
+- `SavedActivations`: the bytes autograd keeps for backward (the pack hook of `saved_tensors_hooks`), counted
+  once per storage, parameters aside (they are held anyway). This is the "activation memory" that checkpointing
+  trades for recomputation, and that data parallelism (DDP or FSDP) does not shard.
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -68,25 +68,56 @@ class LiveTensorBytes(TorchDispatchMode):
         return result
 
 
-@contextlib.contextmanager
-def saved_tensor_bytes():
-    """Count the bytes autograd saves for backward inside the block. Yields a dict filled on exit:
-    {'bytes': total over distinct storages, 'tensors': how many tensors were packed}.
+class SavedActivations:
+    """Counts the bytes autograd saves for backward during a forward pass, parameters excluded.
+
+    Why: these are the activations, the part of training memory that data parallelism (DDP or FSDP) does not
+    shard; they scale with the per-rank batch. Works on CPU, where no allocator statistic exists. A saved tensor
+    is a parameter when it (or the tensor it is a view of, e.g. `weight.t()`) is an `nn.Parameter`, as FSDP2's
+    unsharded parameters are too (testing "leaf that requires grad" would also catch inputs that require grad).
+    Distinct storages count once, so views of one activation (q, k and v cut from one projection) count once.
+
+        meter = SavedActivations()
+        with meter:
+            loss = model(x, y)
+        meter.bytes, meter.parameter_bytes, meter.tensors
 
     Inside a non-reentrant `torch.utils.checkpoint` region the checkpoint's own hook wins and keeps nothing, so
     nothing is counted there; the inputs the checkpoint keeps for recomputation it saves through these same
-    hooks, outside its region, so they are counted. Parameters saved by an op (a matmul saves its weight) count
-    too: their storage is shared, not new, but autograd does hold it.
+    hooks, outside its region, so they are counted.
     """
-    seen: dict[int, int] = {}
-    result = {"bytes": 0, "tensors": 0}
 
-    def pack(t: torch.Tensor):
+    def __init__(self):
+        self._activations: dict[int, int] = {}
+        self._parameters: dict[int, int] = {}
+        self.tensors = 0  # tensors packed (a storage saved twice counts twice here, once in the bytes)
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        result["tensors"] += 1
+        target = self._parameters if isinstance(base, torch.nn.Parameter) else self._activations
+        target[storage.data_ptr()] = storage.nbytes()
+        self.tensors += 1
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result
-    result["bytes"] = sum(seen.values())
+    def __enter__(self) -> "SavedActivations":
+        self._activations.clear()
+        self._parameters.clear()
+        self.tensors = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of activations saved for backward (distinct storages)."""
+        return sum(self._activations.values())
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of parameters saved for backward (FSDP: the unsharded parameters of the groups in use)."""
+        return sum(self._parameters.values())

@@ -2,7 +2,8 @@
 
 Why count tensors rather than read an allocator: on CPU there is no allocator statistic to read, and even on GPU
 the allocator mixes parameters, gradients, optimizer state and activations. Counting the tensors each rank really
-holds (the local shard of a DTensor, not its global shape) separates the three that ZeRO shards.
+holds (the local shard of a DTensor, not its global shape) separates the three that ZeRO shards. What a step
+holds besides (saved activations, peak live tensors) is measured in `helpers.activation_memory`.
 """
 from __future__ import annotations
 
@@ -87,54 +88,6 @@ def allocated_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return {"parameters": storage_bytes(params, round_to),
             "gradients": storage_bytes((p.grad for p in params), round_to),
             "optimizer": storage_bytes(opt_tensors, round_to)}
-
-
-class SavedActivations:
-    """Counts the bytes autograd saves for backward during a forward pass, parameters excluded.
-
-    Why: these are the activations, the part of training memory that data parallelism (DDP or FSDP) does not
-    shard; they scale with the per-rank batch. Works on CPU, where no allocator statistic exists. A saved tensor
-    is a parameter when it (or the tensor it is a view of, e.g. `weight.t()`) is an `nn.Parameter`, as FSDP2's
-    unsharded parameters are too (testing "leaf that requires grad" would also catch inputs that require grad).
-    Distinct storages count once, so views of one activation (q, k and v cut from one projection) count once.
-
-        meter = SavedActivations()
-        with meter:
-            loss = model(x, y)
-        meter.bytes, meter.parameter_bytes
-    """
-
-    def __init__(self):
-        self._activations: dict[int, int] = {}
-        self._parameters: dict[int, int] = {}
-        self._hooks = None
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        storage = t.untyped_storage()
-        target = self._parameters if isinstance(base, torch.nn.Parameter) else self._activations
-        target[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def __enter__(self) -> "SavedActivations":
-        self._activations.clear()
-        self._parameters.clear()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        """Bytes of activations saved for backward (distinct storages)."""
-        return sum(self._activations.values())
-
-    @property
-    def parameter_bytes(self) -> int:
-        """Bytes of parameters saved for backward (FSDP: the unsharded parameters of the groups in use)."""
-        return sum(self._parameters.values())
 
 
 CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from helpers.activation_memory import LiveTensorBytes, saved_tensor_bytes
+from torch import nn
+
+from helpers.activation_memory import LiveTensorBytes, SavedActivations
 
 
 def test_live_bytes_counts_new_tensors_and_their_frees():
@@ -28,22 +30,40 @@ def test_live_bytes_peak_is_reached_inside_a_temporary():
     assert live.current == total.element_size()  # only the 0-d result survives
 
 
-def test_saved_tensor_bytes_of_known_ops():
-    x = torch.randn(100, requires_grad=True)
-    with saved_tensor_bytes() as saved:
+def test_saved_bytes_of_known_ops():
+    x = torch.randn(100, requires_grad=True)  # a leaf that requires grad, not a parameter: an activation
+    with SavedActivations() as saved:
         y = x.sin()  # sin saves its input
-    assert saved["bytes"] == 400 and saved["tensors"] == 1
+    assert saved.bytes == 400 and saved.tensors == 1 and saved.parameter_bytes == 0
     y.sum().backward()
+
+
+def test_saved_activations_exclude_parameters():
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+    with SavedActivations() as meter:
+        lin(x).relu().sum()
+    # addmm saves its input for the weight gradient; relu saves its output; W.t() is not needed (x needs no grad)
+    assert meter.bytes == 16 * 8 * 4 + 16 * 4 * 4
+    assert meter.parameter_bytes == 0
+    with SavedActivations() as meter:
+        lin(x.requires_grad_()).relu().sum()
+    assert meter.bytes == 16 * 8 * 4 + 16 * 4 * 4
+    assert meter.parameter_bytes == 8 * 4 * 4, "W.t() is saved now, and counted as a parameter"
 
 
 def test_checkpoint_keeps_only_its_input():
     layer = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32))
     x = torch.randn(64, 32, requires_grad=True)
-    with saved_tensor_bytes() as plain:
-        layer(x).sum()
-    with saved_tensor_bytes() as ckpt:
+    with SavedActivations() as plain:
+        kept = layer(x).sum()
+    with SavedActivations() as ckpt:
         out = checkpoint(layer, x, use_reentrant=False)
-    assert ckpt["bytes"] == x.numel() * 4  # the input, saved for the recomputation
-    assert plain["bytes"] > ckpt["bytes"]
+    # plain: x (for W1's gradient) and tanh's output (tanh's backward and W2's gradient share it); W1 and W2 too
+    assert plain.bytes == 2 * x.numel() * 4 and plain.parameter_bytes == 2 * 32 * 32 * 4
+    assert ckpt.bytes == x.numel() * 4  # the input, saved for the recomputation
+    assert ckpt.parameter_bytes == 0, "the weights are used inside the checkpoint region only"
+    kept.backward()
     out.sum().backward()
     assert x.grad is not None

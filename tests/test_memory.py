@@ -1,11 +1,11 @@
-"""Bytes per rank: storages (padding and shared buffers), saved activations, ZeRO's arithmetic."""
+"""Bytes per rank: storages (padding and shared buffers), ZeRO's arithmetic."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from helpers.memory import (CUDA_BLOCK_BYTES, SavedActivations, allocated_state_bytes, cuda_memory,
-                            model_state_bytes, storage_bytes, zero_bytes_per_rank)
+from helpers.memory import (CUDA_BLOCK_BYTES, allocated_state_bytes, cuda_memory, model_state_bytes, storage_bytes,
+                            zero_bytes_per_rank)
 
 
 def test_storage_bytes_counts_each_storage_once_and_rounds():
@@ -27,21 +27,6 @@ def test_allocated_equals_held_for_a_plain_model_with_adam():
     assert allocated_state_bytes(model, opt) == held
     zero = zero_bytes_per_rank(36, 1, stage=0)
     assert held == {k: int(v) for k, v in zero.items()}
-
-
-def test_saved_activations_exclude_parameters():
-    torch.manual_seed(0)
-    lin = nn.Linear(8, 4)
-    x = torch.randn(16, 8)
-    with SavedActivations() as meter:
-        lin(x).relu().sum()
-    # addmm saves its input for the weight gradient; relu saves its output; W.t() is not needed (x needs no grad)
-    assert meter.bytes == 16 * 8 * 4 + 16 * 4 * 4
-    assert meter.parameter_bytes == 0
-    with SavedActivations() as meter:
-        lin(x.requires_grad_()).relu().sum()
-    assert meter.bytes == 16 * 8 * 4 + 16 * 4 * 4
-    assert meter.parameter_bytes == 8 * 4 * 4, "W.t() is saved now, and counted as a parameter"
 
 
 def test_cuda_memory_is_none_off_cuda():
