@@ -1,0 +1,157 @@
+"""helpers.ddp_measure: its predictions against DDP itself, its counters against the closed forms."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import helpers
+from helpers.data import Split
+from helpers.ddp_measure import (CommCounter, PayloadCounter, accuracy, bucket_limits, bucket_plan,
+                                 greedy_buckets, hook_payload_bytes, median_spread, powersgd_values, time_steps,
+                                 verdict)
+from helpers.models import DigitsMLP
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_buckets_matches_ddp_assignment(seed):
+    rng = random.Random(seed)
+    numels = [rng.choice([1, 10, 300, 5000, 70000]) for _ in range(rng.randint(1, 30))]
+    limits = sorted(rng.choice([400, 4000, 40000, 400000]) for _ in range(rng.randint(1, 2)))
+    tensors = [torch.empty(n) for n in numels]
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
+    assert greedy_buckets([4 * n for n in numels], limits) == [list(b) for b in theirs]
+
+
+def test_greedy_buckets_rejects_bad_limits():
+    with pytest.raises(ValueError):
+        greedy_buckets([4, 4], [])
+    with pytest.raises(ValueError):
+        greedy_buckets([4, 4], [0])
+
+
+def test_bucket_plan_covers_every_parameter_once_and_respects_caps():
+    model = DigitsMLP(hidden=512, depth=3)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    for cap in (0.01, 0.5, 1, 25, None):
+        plan = bucket_plan(model, cap)
+        assert sum(plan) == total
+        limits = bucket_limits(cap)
+        largest = max(p.numel() * 4 for p in model.parameters())
+        # every bucket but the last reached its limit, and none overshoots by more than one tensor
+        for i, size in enumerate(plan[:-1]):
+            assert size >= limits[min(i, len(limits) - 1)]
+        assert all(size < limits[min(i, len(limits) - 1)] + largest for i, size in enumerate(plan))
+    assert len(bucket_plan(model, 25)) == 1  # 2.2 MiB fits in one 25 MiB bucket
+    assert len(bucket_plan(model, None)) == 2  # ... but the default caps its first bucket at 1 MiB
+
+
+def test_powersgd_values():
+    assert powersgd_values((512,), rank=4) == 512  # a bias is never compressed
+    assert powersgd_values((256, 256), rank=2) == (256 + 256) * 2
+    assert powersgd_values((4, 4), rank=2) == 16  # (4 + 4) * 2 * 2 >= 16: not worth it
+    assert powersgd_values((10, 3, 3), rank=1) == 10 + 9  # viewed as 10 x 9
+    assert powersgd_values((10, 512), rank=64) == 10 * 512  # rank capped at min(n, m), then not worth it
+
+
+def test_hook_payload_bytes_closed_forms():
+    shapes = [(256, 64), (256,), (10, 256), (10,)]
+    numel = sum(math.prod(s) for s in shapes)
+    assert hook_payload_bytes(shapes, "allreduce") == 4 * numel
+    assert hook_payload_bytes(shapes, "fp16") == hook_payload_bytes(shapes, "bf16") == 2 * numel
+    assert hook_payload_bytes(shapes, "powersgd", rank=1) == 4 * ((256 + 64) + 256 + (10 + 256) + 10)
+    with pytest.raises(ValueError):
+        hook_payload_bytes(shapes, "powersgd")
+    with pytest.raises(ValueError):
+        hook_payload_bytes(shapes, "int8")
+
+
+def _count_in_ddp(caps, start_iter):
+    """Worker: buckets counted per cap, and bytes sent per step by fp16 and PowerSGD hooks."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    buckets = {}
+    for cap in caps:
+        model = DDP(DigitsMLP(hidden=128, depth=3), bucket_cap_mb=cap)
+        counter = CommCounter().register(model)
+        for _ in range(2):
+            counter.reset()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        buckets[cap] = counter.bucket_bytes
+    sent = {}
+    for name in ("fp16", "powersgd"):
+        model = DDP(DigitsMLP(hidden=128, depth=3))
+        if name == "fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        else:
+            state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=start_iter)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        per_step = []
+        with PayloadCounter() as wire:
+            for _ in range(start_iter + 2):
+                before = wire.bytes
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                per_step.append(wire.bytes - before)
+        sent[name] = per_step
+    assert dist.all_reduce is not None and "counting" not in dist.all_reduce.__name__  # restored on exit
+    dist.destroy_process_group()
+    return buckets, sent
+
+
+def test_counters_against_real_ddp():
+    caps = [0.001, 0.05, 25]
+    start_iter = 2
+    results = helpers.launch(_count_in_ddp, caps, start_iter, world_size=2, timeout=120, quiet=True)
+    model = DigitsMLP(hidden=128, depth=3)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    for buckets, sent in results:
+        for cap in caps:
+            assert buckets[cap] == bucket_plan(model, cap)
+        assert len(buckets[0.001]) > len(buckets[0.05]) > len(buckets[25]) == 1
+        assert set(sent["fp16"]) == {hook_payload_bytes(shapes, "fp16")}
+        plain, compressed = sent["powersgd"][:start_iter], sent["powersgd"][start_iter:]
+        assert set(plain) == {hook_payload_bytes(shapes, "allreduce")}
+        assert set(compressed) == {hook_payload_bytes(shapes, "powersgd", rank=2)}
+
+
+def test_accuracy_counts_correct_predictions_and_restores_mode():
+    class Constant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            out = torch.zeros(len(x), 10)
+            out[:, 3] = 1
+            return out
+
+    labels = torch.tensor([3, 3, 1, 3, 0, 3, 3, 9])
+    model = Constant().train()
+    assert accuracy(model, Split(torch.zeros(8, 64), labels), batch_size=3) == 5 / 8
+    assert model.training
+
+
+def test_time_steps_calls_warmup_plus_repeats():
+    calls = []
+    times = time_steps(lambda: calls.append(1), repeats=5, warmup=3)
+    assert len(calls) == 8 and len(times) == 5 and all(t >= 0 for t in times)
+
+
+def test_median_spread_and_verdict():
+    assert median_spread([3.0, 1.0, 2.0, 4.0, 5.0]) == (3.0, 2.0, 4.0)
+    assert median_spread([7.0]) == (7.0, 7.0, 7.0)
+    with pytest.raises(ValueError):
+        median_spread([])
+    assert verdict(17, 15, 20) == "consistent with the claim"
+    assert verdict(10, 15, 20) == "below the claim"
+    assert verdict(22, 15, 20, slack=3) == "consistent with the claim"
+    assert verdict(30, 15, 20, slack=3) == "above the claim"
+    assert verdict(float("nan"), 15, 20) == "not measured"
