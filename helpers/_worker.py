@@ -29,12 +29,37 @@ def _reopen_std_streams(out_path: str, err_path: str) -> None:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(target, fd)
         os.close(target)
+    old_stdout, old_stderr = sys.stdout, sys.stderr
     sys.stdin = open(0, closefd=False)
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True, write_through=True)
+    old_streams = {id(sys.__stdout__), id(sys.__stderr__), id(old_stdout), id(old_stderr)}
     sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+    _repoint_logging(old_streams)
+
+
+def _repoint_logging(old_streams: set[int]) -> None:
+    """Logging handlers the kernel made before the fork still hold its streams: point them at this rank's."""
+    import logging
+
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                stream = getattr(handler, "stream", None)
+                if stream is not None and (id(stream) in old_streams or type(stream).__name__ == "OutStream"
+                                           or _is_std_fd(stream)):
+                    handler.setStream(sys.stderr)
+
+
+def _is_std_fd(stream) -> bool:
+    try:
+        return stream.fileno() in (1, 2)
+    except Exception:  # noqa: BLE001 - an in-memory stream: leave it alone
+        return False
 
 
 def _dump(path: str, record: dict) -> None:

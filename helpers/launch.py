@@ -58,11 +58,13 @@ class RankFailure:
 
 
 class WorkerError(RuntimeError):
-    """A rank failed. `rank`, `kind`, `message` and `traceback` describe the root cause; `failures` all of them."""
+    """A rank failed. `rank`, `kind`, `message` and `traceback` describe the root cause; `failures` all of them;
+    `results` the return values of the ranks that finished (a parameter server's record when a trainer died)."""
 
-    def __init__(self, root: RankFailure, failures: list[RankFailure], returned: list[int] = ()):
+    def __init__(self, root: RankFailure, failures: list[RankFailure], results: dict | None = None):
         self.rank, self.kind, self.message = root.rank, root.kind, root.message
-        self.returned = list(returned)
+        self.results = dict(results or {})  # return values of the ranks that did return, by rank
+        self.returned = sorted(self.results)
         self.traceback, self.failures, self.original = root.traceback, failures, root.exception
         others = [f for f in failures if f is not root]
         text = root.headline()
@@ -444,5 +446,5 @@ def _supervise(procs, run_dir, tails, progress, timeout, failure_grace) -> list:
     if failures:
         ordered = sorted(failures.values(), key=lambda f: (f.time, f.rank))
         root = root_cause(ordered)
-        raise WorkerError(root, [root] + [f for f in ordered if f is not root], sorted(results)) from root.exception
+        raise WorkerError(root, [root] + [f for f in ordered if f is not root], results) from root.exception
     return [results[rank] for rank in range(world_size)]

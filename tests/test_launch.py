@@ -375,3 +375,33 @@ def test_forked_workers_survive_a_kernel_that_ran_multithreaded_torch():
 
     assert launch(work, world_size=1, timeout=30) == [1]
     assert launch(work, world_size=1, start_method="spawn", threads=2, timeout=120) == [2]
+
+
+def test_logging_handlers_made_in_the_kernel_write_to_the_ranks_stream(capsys):
+    import logging
+
+    logger = logging.getLogger("cookbook.test.kernel_handler")
+    handler = logging.StreamHandler(sys.stderr)  # the kernel's stderr object, inherited by the fork
+    logger.addHandler(handler)
+    try:
+        def work():
+            logger.warning("logged in rank %s", os.environ["RANK"])
+
+        launch(work, world_size=2, quiet=True, timeout=60)
+        launch(work, world_size=2, timeout=60)
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    plain = [line for line in err.splitlines() if line.endswith("logged in rank 0") or line.endswith("rank 1")]
+    assert sorted(plain) == ["[rank 0] logged in rank 0", "[rank 1] logged in rank 1"], err  # quiet hid the first
+
+
+def test_the_results_of_ranks_that_returned_survive_a_failure():
+    def work():
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("trainer crashed")
+        return {"server_record": [1, 2, 3]}
+
+    with pytest.raises(WorkerError) as info:
+        launch(work, world_size=2, timeout=60)
+    assert info.value.results == {0: {"server_record": [1, 2, 3]}}
