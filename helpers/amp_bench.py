@@ -8,10 +8,12 @@ training step and compares the two. Everything here runs in a worker (it may tou
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 
 import torch
+
+from . import claims
+from .devices import synchronize
 
 # Significand bits (stored, without the implicit one) of each format: the closed form of its precision.
 MANTISSA_BITS = {"fp32": 23, "tf32": 10, "bf16": 7, "fp16": 10}
@@ -85,23 +87,6 @@ def fp32_matmul_precision(precision: str):
     finally:
         for s, value in zip(settings, old):
             s.fp32_precision = value
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels, so a wall-clock interval measures the work and not its launch."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_spread(values) -> tuple[float, float]:
-    """(median, half the inter-quartile range): a centre and a spread robust to a noisy neighbour."""
-    values = sorted(float(v) for v in values)
-    if not values:
-        raise ValueError("no values")
-    if len(values) < 4:
-        return statistics.median(values), (values[-1] - values[0]) / 2
-    q = statistics.quantiles(values, n=4)
-    return statistics.median(values), (q[2] - q[0]) / 2
 
 
 def matmul_flops(device, configs: dict[str, tuple[torch.dtype, str]], m: int, k: int, n: int,
@@ -183,22 +168,18 @@ def amdahl_bound(matmul_speedup: float, memory_speedup: float = 2.0) -> float:
 
 def speedup_verdict(measured: float, claimed_low: float, claimed_high: float | None, supported: bool,
                     ceiling: float | None = None, reason: str = "") -> str:
-    """A verdict on a claimed speed-up, computed from the measurement (never typed).
+    """`claims.verdict` on a claimed speed-up (10% grace above a range's high end), followed by the measurement,
+    the matmul ceiling measured in the same run, and what that ceiling says about a shortfall.
 
     supported=False: the hardware lacks the format, the claim cannot apply here and no speed-up is claimed.
     """
-    claim = f"{claimed_low:g}x" if claimed_high is None else f"{claimed_low:g}-{claimed_high:g}x"
-    ceil = f"; the matmul ceiling measured in the same run is {ceiling:.2f}x" if ceiling is not None else ""
-    if not supported:
-        return (f"NOT APPLICABLE HERE: {reason or 'no hardware for this format'}; measured {measured:.2f}x, "
-                f"no speed-up claimed{ceil}")
-    if measured >= claimed_low and (claimed_high is None or measured <= claimed_high * 1.1):
-        return f"HOLDS here: measured {measured:.2f}x, claimed {claim}{ceil}"
-    if claimed_high is not None and measured > claimed_high * 1.1:
-        return f"EXCEEDED here: measured {measured:.2f}x, claimed {claim}{ceil}"
-    why = ""
-    if ceiling is not None and ceiling < claimed_low:
-        why = " (the hardware's own matmul gain is below the claim)"
-    elif ceiling is not None:
-        why = " (the matmuls could gain more: this step is not matmul-bound at this size)"
-    return f"DOES NOT HOLD here: measured {measured:.2f}x, claimed {claim}{ceil}{why}"
+    grace = 0.1 * claimed_high if claimed_high is not None else 0.0
+    text = claims.verdict(measured, claimed_low, claimed_high, slack=(0.0, grace), unit="x", applicable=supported,
+                          reason=reason or "no hardware for this format")
+    text += f"; measured {measured:.2f}x" + ("" if supported else ", no speed-up claimed")
+    if ceiling is not None:
+        text += f"; the matmul ceiling measured in the same run is {ceiling:.2f}x"
+        if supported and text.startswith("below"):
+            text += (" (the hardware's own matmul gain is below the claim)" if ceiling < claimed_low else
+                     " (the matmuls could gain more: this step is not matmul-bound at this size)")
+    return text

@@ -17,15 +17,14 @@ number to hold against a link's bandwidth, and it does not change with n for a b
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
-import statistics
 import threading
 import time
 import zlib
 
-from .devices import usable_cores
+from .devices import synchronize, usable_cores
+from .timing import summarize
 
 GB = 1e9  # nccl-tests reports GB/s with GB = 1e9 bytes
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
@@ -87,36 +86,18 @@ def oversubscription_warning(world_size: int, cores: int | None = None) -> str |
     return None
 
 
-def summarize(values: list[float]) -> dict:
-    """Median, quartiles, min and max of a list of timings (seconds)."""
-    ordered = sorted(values)
-    if len(ordered) >= 2:
-        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
-    else:
-        q1 = q3 = ordered[0]
-    return {"median_s": statistics.median(ordered), "q1_s": q1, "q3_s": q3, "min_s": ordered[0],
-            "max_s": ordered[-1]}
-
-
 # ----------------------------------------------------------------------------------------------- in a worker
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
 
 def _barrier(group, device) -> None:
     """Every rank leaves together (as far as a barrier can promise), with the device idle."""
     import torch.distributed as dist
 
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda" and str(dist.get_backend(group)) == "nccl":  # NCCL's barrier is an all-reduce on a GPU
         dist.barrier(group=group, device_ids=[device.index])
     else:
         dist.barrier(group=group)
-    _sync(device)
+    synchronize(device)
 
 
 def _buffers(name: str, size_bytes: int, n: int, device, dtype):
@@ -170,7 +151,7 @@ def _check_result(name: str, inp, out, group, device) -> None:
     if out_zero:
         out.zero_()
     _operation(name, inp, out, group)()
-    _sync(device)
+    synchronize(device)
     triangle = n * (n + 1) // 2
     if name == "all_reduce":
         expected = torch.full_like(inp, triangle)
@@ -256,13 +237,13 @@ def time_collective(name: str, sizes: list[int], *, warmup: int = 5, repeats: in
         op = _operation(key, inp, out, group)
         for _ in range(warmup):
             op()
-        _sync(device)
+        synchronize(device)
         starts, ends = [], []
         for _ in range(repeats):
             _barrier(group, device)
             starts.append(host_clock())
             op()
-            _sync(device)
+            synchronize(device)
             ends.append(host_clock())
         times, timing = _per_call_times(starts, ends, group, device)
         if check:
@@ -477,17 +458,6 @@ def peak(records: list[dict], key: str = "busbw") -> dict:
 def smallest(records: list[dict]) -> dict:
     """The record of the smallest message: its time is the collective's latency."""
     return min(records, key=lambda r: r["size_bytes"])
-
-
-def claim_verdict(measured: float | None, low: float, high: float, unit: str = "") -> str:
-    """Where a measurement falls against a claimed range [low, high]: 'within', or 'below'/'above' by a factor."""
-    if measured is None or (isinstance(measured, float) and math.isnan(measured)):
-        return "not measured here"
-    if low <= measured <= high:
-        return "within the claimed range"
-    if measured < low:
-        return f"below the claimed range ({low / measured:.3g}x under its low end {low:g}{unit})"
-    return f"above the claimed range ({measured / high:.3g}x over its high end {high:g}{unit})"
 
 
 def environment_note() -> str:

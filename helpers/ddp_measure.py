@@ -1,4 +1,4 @@
-"""Watching DDP from the inside: how many buckets it builds, what it hands to the wire, how long a step takes.
+"""Watching DDP from the inside: how many buckets it builds, what it hands to the wire (timing: helpers.timing).
 
 Why a module of its own: notebook 02 must show the DDP lines themselves (the wrapper, `no_sync`, the comm hook,
 `Join`), not the book-keeping around them. Everything here observes or predicts; nothing changes what DDP
@@ -12,9 +12,7 @@ computes. The predictions are the closed forms the notebook asserts against:
 from __future__ import annotations
 
 import math
-import statistics
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -205,56 +203,3 @@ def hook_payload_bytes(shapes: list[tuple[int, ...]], method: str, rank: int | N
             raise ValueError("PowerSGD's payload depends on its matrix_approximation_rank: pass rank=")
         return 4 * sum(powersgd_values(tuple(s), rank, min_compression_rate) for s in shapes)
     raise ValueError(f"unknown method {method!r}: use 'allreduce', 'fp16', 'bf16' or 'powersgd'")
-
-
-# ----------------------------------------------------------------------------------------------- timing
-
-
-def synchronize(device: torch.device | str | None) -> None:
-    """Wait for queued device work (a no-op on CPU), so a wall-clock time covers the work it claims to."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cpu" and hasattr(torch, "accelerator"):
-        torch.accelerator.synchronize(device)
-
-
-def time_steps(step, repeats: int, warmup: int = 2, device=None, barrier: bool = True) -> list[float]:
-    """Wall seconds of `repeats` calls of `step()` after `warmup` untimed ones.
-
-    Every timed call starts after a barrier (when a process group exists), so one rank's late start is not
-    counted as another rank's communication time; device work is synchronised before the clock stops.
-    """
-    group = barrier and dist.is_available() and dist.is_initialized()
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        if group:
-            dist.barrier()
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def median_spread(times: list[float]) -> tuple[float, float, float]:
-    """(median, 25th percentile, 75th percentile): the figure and its spread, robust to a noisy neighbour."""
-    if not times:
-        raise ValueError("no times to summarise")
-    if len(times) == 1:
-        return times[0], times[0], times[0]
-    q = statistics.quantiles(times, n=4, method="inclusive")
-    return statistics.median(times), q[0], q[2]
-
-
-# ----------------------------------------------------------------------------------------------- claims
-
-
-def verdict(measured: float, low: float, high: float, slack: float = 0.0) -> str:
-    """Compare a measured figure with a claimed range [low, high] (same unit), allowing `slack` either side."""
-    if not math.isfinite(measured):
-        return "not measured"
-    if low - slack <= measured <= high + slack:
-        return "consistent with the claim"
-    return "below the claim" if measured < low - slack else "above the claim"

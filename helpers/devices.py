@@ -132,3 +132,15 @@ def describe_machine() -> dict:
     for key, value in facts.items():
         print(f"{key:<{width}}  {value}")
     return facts
+
+
+def synchronize(device=None) -> None:
+    """Wait for the work queued on `device` (a no-op for the CPU or None), so a wall-clock interval measures the
+    work and not its launch. For workers: on a GPU it uses that process's accelerator context."""
+    if device is None:
+        return
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)

@@ -43,14 +43,6 @@ def test_fp32_matmul_precision_sets_and_restores():
             pass
 
 
-def test_median_spread():
-    assert amp_bench.median_spread([3.0, 1.0, 2.0]) == (2.0, 1.0)
-    median, spread = amp_bench.median_spread([1, 2, 3, 4, 5, 6, 7, 100])
-    assert median == 4.5 and spread < 5  # one outlier barely moves either
-    with pytest.raises(ValueError):
-        amp_bench.median_spread([])
-
-
 def test_matmul_flops_is_a_plausible_rate():
     configs = {"fp32": (torch.float32, "ieee"), "bf16": (torch.bfloat16, "ieee")}
     flops = amp_bench.matmul_flops("cpu", configs, 64, 64, 64, min_seconds=0.005, repeats=2)
@@ -75,10 +67,13 @@ def test_cpu_low_precision_reports_consistent_facts():
 
 def test_amdahl_bound_and_verdicts():
     assert amp_bench.amdahl_bound(4.0) == 4.0 and amp_bench.amdahl_bound(1.2) == 2.0
-    assert amp_bench.speedup_verdict(2.5, 2, 3, True).startswith("HOLDS")
-    assert amp_bench.speedup_verdict(1.1, 2, 3, True, ceiling=4.0).startswith("DOES NOT HOLD")
-    assert "not matmul-bound" in amp_bench.speedup_verdict(1.1, 2, 3, True, ceiling=4.0)
-    assert "below the claim" in amp_bench.speedup_verdict(1.1, 2, 3, True, ceiling=1.5)
-    assert amp_bench.speedup_verdict(5.0, 2, 3, True).startswith("EXCEEDED")
-    assert amp_bench.speedup_verdict(1.6, 1.5, None, True).startswith("HOLDS")
-    assert amp_bench.speedup_verdict(0.1, 2, 3, False, reason="no unit").startswith("NOT APPLICABLE HERE: no unit")
+    assert amp_bench.speedup_verdict(2.5, 2, 3, True).startswith("within the claimed 2-3x; measured 2.50x")
+    assert amp_bench.speedup_verdict(3.2, 2, 3, True).startswith("within")  # 10% grace above the high end
+    short = amp_bench.speedup_verdict(1.1, 2, 3, True, ceiling=4.0)
+    assert short.startswith("below") and "not matmul-bound" in short and "4.00x" in short
+    assert "hardware's own matmul gain is below" in amp_bench.speedup_verdict(1.1, 2, 3, True, ceiling=1.5)
+    assert amp_bench.speedup_verdict(5.0, 2, 3, True).startswith("above")
+    assert amp_bench.speedup_verdict(1.6, 1.5, None, True).startswith("within")
+    assert amp_bench.speedup_verdict(2.5, 2, 3, True, ceiling=4.0).count("(") == 0  # no excuse when it holds
+    na = amp_bench.speedup_verdict(0.1, 2, 3, False, reason="no unit")
+    assert na.startswith("not applicable here: no unit") and "no speed-up claimed" in na

@@ -11,8 +11,7 @@ import torch.distributed as dist
 import helpers
 from helpers.data import Split
 from helpers.ddp_measure import (CommCounter, PayloadCounter, accuracy, bucket_limits, bucket_plan,
-                                 greedy_buckets, hook_payload_bytes, median_spread, powersgd_values, time_steps,
-                                 verdict)
+                                 greedy_buckets, hook_payload_bytes, powersgd_values)
 from helpers.models import DigitsMLP
 
 
@@ -137,21 +136,3 @@ def test_accuracy_counts_correct_predictions_and_restores_mode():
     model = Constant().train()
     assert accuracy(model, Split(torch.zeros(8, 64), labels), batch_size=3) == 5 / 8
     assert model.training
-
-
-def test_time_steps_calls_warmup_plus_repeats():
-    calls = []
-    times = time_steps(lambda: calls.append(1), repeats=5, warmup=3)
-    assert len(calls) == 8 and len(times) == 5 and all(t >= 0 for t in times)
-
-
-def test_median_spread_and_verdict():
-    assert median_spread([3.0, 1.0, 2.0, 4.0, 5.0]) == (3.0, 2.0, 4.0)
-    assert median_spread([7.0]) == (7.0, 7.0, 7.0)
-    with pytest.raises(ValueError):
-        median_spread([])
-    assert verdict(17, 15, 20) == "consistent with the claim"
-    assert verdict(10, 15, 20) == "below the claim"
-    assert verdict(22, 15, 20, slack=3) == "consistent with the claim"
-    assert verdict(30, 15, 20, slack=3) == "above the claim"
-    assert verdict(float("nan"), 15, 20) == "not measured"

@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from helpers.plots import training  # noqa: E402
+from helpers.timing import summarize  # noqa: E402
 
 
 def test_loss_curves_draws_raw_and_smoothed_line_per_run():
@@ -26,13 +27,14 @@ def test_accuracy_curves_two_views():
 
 
 def test_bucket_sweep_plots_counted_and_predicted():
-    rows = [{"cap": c, "buckets": [1] * n, "sync": (0.01, 0.009, 0.012), "local": (0.005, 0.004, 0.006)}
-            for c, n in ((0.1, 4), (None, 2), (25, 1))]
+    rows = [{"cap": c, "buckets": [1] * n, "sync": summarize([0.009, 0.01, 0.012]),
+             "local": summarize([0.004, 0.005, 0.006])} for c, n in ((0.1, 4), (None, 2), (25, 1))]
     fig = training.bucket_sweep(rows, [4, 2, 1])
     calls, times = fig.axes
     assert list(calls.lines[1].get_ydata()) == [4, 2, 1]
     assert [t.get_text() for t in calls.get_xticklabels()] == ["0.1", "default", "25"]
     assert len(times.containers) == 2  # two error-bar series
+    assert list(times.containers[0].lines[0].get_ydata()) == [10.0] * 3  # the medians, in ms
 
 
 def test_compression_skips_unsupported_methods():

@@ -65,9 +65,9 @@ def bucket_sweep(rows: list[dict], predicted: list[int]):
     calls.set_ylabel("all-reduce calls per step")
     calls.legend(fontsize=8)
     for key, label, colour in (("sync", "DDP step", "C1"), ("local", "same step under no_sync (no all-reduce)", "C2")):
-        med = [r[key][0] * 1e3 for r in rows]
-        low = [(r[key][0] - r[key][1]) * 1e3 for r in rows]
-        high = [(r[key][2] - r[key][0]) * 1e3 for r in rows]
+        med = [r[key]["median_s"] * 1e3 for r in rows]  # r[key]: helpers.timing.summarize of the step times
+        low = [(r[key]["median_s"] - r[key]["q1_s"]) * 1e3 for r in rows]
+        high = [(r[key]["q3_s"] - r[key]["median_s"]) * 1e3 for r in rows]
         times.errorbar(x, med, yerr=[low, high], marker="o", capsize=3, color=colour, label=label)
     times.set_ylabel("ms per step (median, IQR)")
     times.set_ylim(bottom=0)

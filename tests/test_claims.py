@@ -1,0 +1,43 @@
+"""helpers.claims: one verdict for every comparison of a measurement with an article's claim."""
+from __future__ import annotations
+
+import math
+
+from helpers.claims import claim_text, verdict
+
+
+def test_claim_text():
+    assert claim_text(2, 3, "x") == "2-3x" and claim_text(18, 18, "%") == "18%" and claim_text(1.5, None, "x") == \
+        "1.5x or more"
+
+
+def test_within_below_above_with_factors():
+    assert verdict(7, 5, 10).startswith("within")
+    assert verdict(17, 15, 20) == "within the claimed 15-20"
+    below = verdict(0.5, 5, 10)
+    assert below.startswith("below") and "10x under its low end" in below
+    above = verdict(40, 5, 10)
+    assert above.startswith("above") and "4x over its high end" in above
+    assert verdict(10, 15, 20).startswith("below")
+    assert "under it)" in verdict(9, 18, 18)
+
+
+def test_slack_either_side_or_one_side():
+    assert verdict(22, 15, 20, slack=3) == "within the claimed 15-20, given the tolerance ±3"
+    assert verdict(13, 15, 20, slack=3).startswith("within")
+    assert verdict(30, 15, 20, slack=3).startswith("above")
+    assert verdict(11, 15, 20, slack=3).startswith("below")
+    assert verdict(3.2, 2, 3, slack=(0, 0.3), unit="x").startswith("within")
+    assert verdict(1.9, 2, 3, slack=(0, 0.3), unit="x").startswith("below")
+    assert verdict(3.4, 2, 3, slack=(0, 0.3), unit="x").startswith("above")
+
+
+def test_open_ended_not_measured_not_applicable():
+    assert verdict(1.6, 1.5, None, unit="x") == "within the claimed 1.5x or more"
+    assert verdict(100.0, 1.5, None).startswith("within")
+    assert verdict(1.2, 1.5, None).startswith("below")
+    assert verdict(None, 5, 10) == "not measured here"
+    assert verdict(math.nan, 5, 10) == "not measured here"
+    assert verdict(float("inf"), 5, 10) == "not measured here"
+    assert verdict(0.1, 2, 3, applicable=False, reason="no unit") == "not applicable here: no unit"
+    assert verdict(0.0, 5, 10) == "below the claimed 5-10"  # no factor from a zero
