@@ -6,6 +6,7 @@ teardown, which is what a notebook user pays on every cell that launches workers
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import time
 from typing import Callable
@@ -84,7 +85,29 @@ def time_launches(start: Callable[[], None], repeats: int = 7, warmup: int = 1) 
             "samples": samples}
 
 
+_WATCHED = [s for s in ("SIGINT", "SIGTERM", "SIGCHLD", "SIGUSR1") if hasattr(signal, s)]
+
+
+def _handlers() -> dict:
+    return {name: signal.getsignal(getattr(signal, name)) for name in _WATCHED}
+
+
 def compare_launchers(world_size: int = 2, repeats: int = 7) -> dict[str, dict]:
-    """Every available launcher timed in this process, one after the other, on the same trivial job."""
-    return {name: time_launches(lambda fn=fn: fn(world_size), repeats=repeats)
-            for name, fn in available_launchers().items()}
+    """Every available launcher timed in this process, one after the other, on the same trivial job.
+
+    Each result also says which of this process's signal handlers the launcher replaced ("changed_handlers"),
+    and they are put back: torch elastic, under accelerate's notebook_launcher, installs its own SIGINT and SIGTERM
+    handlers in the kernel and leaves them there, so interrupting a later cell no longer raises KeyboardInterrupt.
+    """
+    results = {}
+    for name, fn in available_launchers().items():
+        before = _handlers()
+        try:
+            results[name] = time_launches(lambda fn=fn: fn(world_size), repeats=repeats)
+        finally:
+            after = _handlers()
+            for sig_name, handler in before.items():
+                if after[sig_name] is not handler:
+                    signal.signal(getattr(signal, sig_name), handler)
+        results[name]["changed_handlers"] = sorted(k for k in before if after[k] is not before[k])
+    return results
