@@ -229,12 +229,19 @@ def test_interrupting_the_cell_stops_every_worker_and_the_next_launch_works():
     def hang():
         time.sleep(600)
 
+    # A kernel turns SIGINT into KeyboardInterrupt; a test runner started in the background may have inherited
+    # SIGINT as ignored, and then interrupt_main() does nothing. Give this test the kernel's handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.5, _thread.interrupt_main)
-    timer.start()
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        launch(hang, world_size=2, timeout=120)
-    timer.join()
+    try:
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            launch(hang, world_size=2, timeout=30)
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 10
     assert not psutil_children()
     assert launch(lambda: os.environ["RANK"], world_size=2, timeout=60) == ["0", "1"]
