@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from helpers import machine_facts
-from helpers.launch_overhead import compare_launchers
+from helpers.launch_overhead import comparison_table, compare_launchers
 
 
 def main() -> None:
@@ -19,10 +19,8 @@ def main() -> None:
     print(f"torch {facts['torch']}, {facts['cores']} cores, CPU {facts['cpu_capability']}, "
           f"world size {args.world_size}, {args.repeats} launches each after one warm-up")
     results = compare_launchers(args.world_size, args.repeats)
+    print(comparison_table(results))
     ours = results["helpers.launch (fork)"]["median_s"]
-    print(f"{'launcher':<32} {'median s':>9} {'min s':>8} {'max s':>8} {'x helpers.launch':>17}")
-    for name, r in results.items():
-        print(f"{name:<32} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} {r['median_s'] / ours:>17.1f}")
     rival = results.get("accelerate notebook_launcher")
     if rival is None:
         print("target (faster than accelerate's notebook_launcher): not checked, accelerate is not installed")

@@ -76,7 +76,6 @@ def default_backend(world_size: int | None = None) -> str:
     chosen = os.environ.get("COOKBOOK_BACKEND")
     if chosen:
         return chosen
-    import torch
     import torch.distributed as dist
 
     local = world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -104,8 +103,9 @@ def machine_facts() -> dict:
     import torch
     import torch.distributed as dist
 
+    gpus = gpu_count()
     accel = None
-    if hasattr(torch, "accelerator") and gpu_count() == 0:
+    if hasattr(torch, "accelerator") and gpus == 0:
         # Safe without GPUs: no CUDA context can be created. With GPUs we avoid it (it may initialise CUDA).
         accel = torch.accelerator.current_accelerator()
     return {
@@ -113,15 +113,16 @@ def machine_facts() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cuda_build": torch.version.cuda,
-        "gpus": gpu_count(),
+        "gpus": gpus,
         "gpu_names": gpu_names(),
-        "accelerator": str(accel) if accel is not None else ("cuda" if gpu_count() else None),
+        "accelerator": str(accel) if accel is not None else ("cuda" if gpus else None),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": usable_cores(),
         "gloo": dist.is_gloo_available(),
         "nccl": dist.is_nccl_available(),
         "mpi": dist.is_mpi_available(),
-        "default_backend": default_backend(world_size=max(1, gpu_count()) if gpu_count() >= 2 else 2),
+        # for the launcher's default world size: a rank per GPU with two or more GPUs, else two CPU ranks
+        "default_backend": default_backend(world_size=gpus if gpus >= 2 else 2),
     }
 
 

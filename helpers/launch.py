@@ -173,11 +173,11 @@ class _SpawnedWorker:
     without a __main__ guard and costs a kernel its start-up; the payload here travels in a file instead.
     """
 
-    def __init__(self, run_dir: str, rank: int, env: dict):
+    def __init__(self, run_dir: str, rank: int):
         helpers_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         code = (f"import sys; sys.path.insert(0, {helpers_root!r}); from helpers._worker import spawn_main; "
                 f"spawn_main({run_dir!r}, {rank})")
-        self._popen = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **env},
+        self._popen = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ),
                                        start_new_session=True, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.pid = self._popen.pid
@@ -406,7 +406,7 @@ def _start(procs: list, method: str, run_dir: str, spec: dict, payload: tuple) -
     with open(os.path.join(run_dir, "spec.pkl"), "wb") as f:
         pickle.dump(spec, f)
     for rank in range(world_size):
-        procs.append(_SpawnedWorker(run_dir, rank, {}))
+        procs.append(_SpawnedWorker(run_dir, rank))
 
 
 def _supervise(procs, run_dir, tails, progress, timeout, failure_grace) -> list:

@@ -111,3 +111,14 @@ def compare_launchers(world_size: int = 2, repeats: int = 7) -> dict[str, dict]:
                     signal.signal(getattr(signal, sig_name), handler)
         results[name]["changed_handlers"] = sorted(k for k in before if after[k] is not before[k])
     return results
+
+
+def comparison_table(results: dict[str, dict], reference: str = "helpers.launch (fork)") -> str:
+    """The comparison as text: medians, spread, ratio to `reference`, and the signal handlers each replaced."""
+    ours = results[reference]["median_s"]
+    lines = [f"{'launcher':<32} {'median s':>9} {'min s':>8} {'max s':>8} {'x ours':>7}  kernel signal handlers replaced"]
+    for name, r in results.items():
+        changed = ", ".join(r.get("changed_handlers", [])) or "none"
+        lines.append(f"{name:<32} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} "
+                     f"{r['median_s'] / ours:>7.1f}  {changed}")
+    return "\n".join(lines)
