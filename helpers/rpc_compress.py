@@ -45,30 +45,22 @@ def decode(payload: list) -> list[torch.Tensor]:
     return grads
 
 
-class Fp32Codec:
-    """No compression: 4 bytes a value."""
+class DenseCodec:
+    """Every value, cast to `dtype`: fp32 sends 4 bytes a value (exact), fp16 2 bytes a value (relative rounding
+    error at most 2**-11 for values in fp16's range)."""
 
-    name = "fp32"
+    NAMES = {torch.float32: "fp32", torch.float16: "fp16"}
 
-    def encode(self, grads: list[torch.Tensor]) -> list:
-        return [("dense", g.detach().cpu().float()) for g in grads]
-
-    @staticmethod
-    def expected_bytes(shapes: list[tuple[int, ...]]) -> int:
-        return 4 * sum(math.prod(s) for s in shapes)
-
-
-class Fp16Codec:
-    """Quantise to fp16: 2 bytes a value, relative rounding error at most 2**-11 (values in fp16's range)."""
-
-    name = "fp16"
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        if dtype not in self.NAMES:
+            raise ValueError(f"dense codecs send {sorted(self.NAMES.values())}, not {dtype}")
+        self.dtype, self.name = dtype, self.NAMES[dtype]
 
     def encode(self, grads: list[torch.Tensor]) -> list:
-        return [("dense", g.detach().cpu().half()) for g in grads]
+        return [("dense", g.detach().cpu().to(self.dtype)) for g in grads]
 
-    @staticmethod
-    def expected_bytes(shapes: list[tuple[int, ...]]) -> int:
-        return 2 * sum(math.prod(s) for s in shapes)
+    def expected_bytes(self, shapes: list[tuple[int, ...]]) -> int:
+        return self.dtype.itemsize * sum(math.prod(s) for s in shapes)
 
 
 class TopKCodec:
@@ -108,9 +100,9 @@ class TopKCodec:
 def make_codec(spec: str):
     """'fp32', 'fp16', 'topk:0.01' (with error feedback) or 'topk-noef:0.01' (without)."""
     if spec == "fp32":
-        return Fp32Codec()
+        return DenseCodec(torch.float32)
     if spec == "fp16":
-        return Fp16Codec()
+        return DenseCodec(torch.float16)
     kind, _, ratio = spec.partition(":")
     if kind in ("topk", "topk-noef") and ratio:
         return TopKCodec(float(ratio), error_feedback=(kind == "topk"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.rpc_compress import Fp16Codec, Fp32Codec, TopKCodec, decode, make_codec, payload_bytes
+from helpers.rpc_compress import DenseCodec, TopKCodec, decode, make_codec, payload_bytes
 
 SHAPES = [(64, 32), (32,), (10, 32), (10,)]
 
@@ -15,16 +15,16 @@ def grads(seed: int):
 
 
 def test_fp32_round_trip_is_exact_and_counts_four_bytes():
-    codec = Fp32Codec()
+    codec = DenseCodec(torch.float32)
     payload = codec.encode(grads(0))
     assert all(torch.equal(a, b) for a, b in zip(decode(payload), grads(0)))
     assert payload_bytes(payload) == codec.expected_bytes(SHAPES) == 4 * (64 * 32 + 32 + 320 + 10)
 
 
 def test_fp16_halves_bytes_within_rounding():
-    codec = Fp16Codec()
+    codec = DenseCodec(torch.float16)
     payload = codec.encode(grads(1))
-    assert payload_bytes(payload) == codec.expected_bytes(SHAPES) == Fp32Codec.expected_bytes(SHAPES) // 2
+    assert payload_bytes(payload) == codec.expected_bytes(SHAPES) == DenseCodec(torch.float32).expected_bytes(SHAPES) // 2
     for a, b in zip(decode(payload), grads(1)):
         assert a.dtype == torch.float32
         assert torch.allclose(a, b, rtol=2 ** -11, atol=1e-7)
@@ -60,13 +60,16 @@ def test_error_feedback_conserves_every_gradient():
 
 
 def test_make_codec_and_validation():
-    assert isinstance(make_codec("fp32"), Fp32Codec)
-    assert isinstance(make_codec("fp16"), Fp16Codec)
+    for spec, dtype in (("fp32", torch.float32), ("fp16", torch.float16)):
+        codec = make_codec(spec)
+        assert isinstance(codec, DenseCodec) and codec.dtype == dtype and codec.name == spec
     assert make_codec("topk:0.01").error_feedback and not make_codec("topk-noef:0.01").error_feedback
     for bad in ("int8", "topk", "topk:"):
         with pytest.raises(ValueError):
             make_codec(bad)
     with pytest.raises(ValueError):
         TopKCodec(0)
+    with pytest.raises(ValueError):
+        DenseCodec(torch.int8)
     with pytest.raises(ValueError):
         decode([("zstd", torch.zeros(1))])
