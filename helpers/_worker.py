@@ -6,10 +6,16 @@ raise KeyboardInterrupt in every worker, and a killed worker's children would ou
 own session (one signal kills it and everything it started), plain files as stdout and stderr (the launcher tails
 them, so output can never fill a pipe and block), a faulthandler that dumps its Python stack on SIGUSR1 (how a
 timeout shows where each rank was stuck), and it reports its return value or its exception through a file.
+
+The function's local variables outlive its return until the result is written (`_call_keeping_locals`): freeing
+them is where a finished rank can deadlock (a gloo process group whose last reference a DDP reducer drops, with
+the GIL held, while a gloo worker thread waits for the GIL to release a tensor), and a result written first
+cannot be lost to such a hang; the launcher then stops a rank that does not exit (see `launch.EXIT_GRACE_S`).
 """
 from __future__ import annotations
 
 import faulthandler
+import gc
 import io
 import os
 import pickle
@@ -110,6 +116,29 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _call_keeping_locals(fn, args, kwargs, kept: list):
+    """`fn(*args, **kwargs)`, with fn's frame appended to `kept`: its locals stay alive until `kept` is cleared.
+
+    A profile hook catches only the first Python call (fn's own frame) and removes itself, so fn runs at full
+    speed. A frame object that is still referenced when its function returns keeps the locals (CPython copies them
+    into the frame object). The cyclic garbage collector is off from fn's return on, so no garbage fn left behind
+    is freed either: nothing fn made runs a destructor before the caller has written the result.
+    """
+    previous = sys.getprofile()
+
+    def keep_first_frame(frame, event, arg):
+        if event == "call":
+            kept.append(frame)
+            sys.setprofile(previous)
+
+    sys.setprofile(keep_first_frame)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        gc.disable()
+        sys.setprofile(previous)  # a builtin fn makes no Python call: the hook must not outlive it
+
+
 def run_worker(payload, rank: int, spec: dict) -> None:
     """Entry point of every worker (fork or spawn). Never returns: ends the process with os._exit."""
     run_dir = spec["run_dir"]
@@ -152,8 +181,9 @@ def run_worker(payload, rank: int, spec: dict) -> None:
         _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
         os._exit(1)
 
+    kept: list = []
     try:
-        result = fn(*args, **kwargs)
+        result = _call_keeping_locals(fn, args, kwargs, kept)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are failures too
         _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
     else:
@@ -172,6 +202,7 @@ def run_worker(payload, rank: int, spec: dict) -> None:
             os.replace(path + ".tmp", path)
             exit_code = 0
     finally:
+        kept.clear()  # fn's objects are freed now, as at the end of a torchrun script: files flush, temp dirs go
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

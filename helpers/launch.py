@@ -9,7 +9,9 @@ which is often a peer's "connection closed" rather than the rank that raised. He
 - fork when it is safe (Linux, no CUDA context in the kernel), else spawn with the function shipped by cloudpickle;
 - every rank's output appears live, prefixed with its rank;
 - the root cause is reported: the rank, its exception type, message and traceback, peers' secondary errors apart;
-- a hang ends at `timeout` with each live rank's Python stack; nothing is left running, whatever happened.
+- a hang ends at `timeout` with each live rank's Python stack; nothing is left running, whatever happened;
+- a rank that reported its result and then hangs on its way out (freeing torch objects) cannot lose the
+  result: it is stopped after `EXIT_GRACE_S` with an `ExitHangWarning` that shows where it was.
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ from .loopback_rendezvous import loopback_environment
 from .progress import RUN_DIR_VAR, ProgressDisplay, read_progress
 
 DEFAULT_TIMEOUT = 300.0
+# Seconds a rank that has written its result (or error) gets to exit. Past that it is stuck freeing what its function made
+# (see `_worker`): it is stopped, its result kept, and an ExitHangWarning shows where it was.
+EXIT_GRACE_S = 10.0
 # Messages a rank raises because a *peer* went away: reported, but never as the root cause.
 SECONDARY = re.compile(
     r"connection closed by peer|connection reset|broken pipe|econnreset|recvbytes|sendbytes|"
@@ -55,6 +60,10 @@ class RankFailure:
 
     def headline(self) -> str:
         return f"rank {self.rank} {'raised ' + self.kind if self.kind != 'exit' else 'died'}: {self.message}"
+
+
+class ExitHangWarning(UserWarning):
+    """A rank reported its result (or error) but did not exit: it was stopped, and what it reported kept."""
 
 
 class WorkerError(RuntimeError):
@@ -232,6 +241,27 @@ def _collect(rank: int, proc, run_dir: str, results: dict, failures: dict) -> No
         failures[rank] = _exit_failure(rank, proc.exitcode)
 
 
+def _outcome(run_dir: str, rank: int) -> str | None:
+    """'result' or 'error' once the rank has written it (atomically: its existence means it is complete)."""
+    for kind in ("result", "error"):
+        if os.path.exists(os.path.join(run_dir, f"{kind}.{rank}")):
+            return kind
+    return None
+
+
+def _stop_after_outcome(rank: int, proc, run_dir: str, results: dict, failures: dict) -> None:
+    """A rank reported, then hung on its way out: keep what it reported, stop it, show where it hung."""
+    stack = _take_stacks({rank: proc}, run_dir).get(rank, "")
+    _stop([proc])
+    _collect(rank, proc, run_dir, results, failures)
+    warnings.warn(
+        f"rank {rank} reported its {_outcome(run_dir, rank)} but had not exited {EXIT_GRACE_S:g} s later; it was "
+        "stopped and what it reported kept. A finished rank hangs like this while freeing what its function made, "
+        "typically torch waiting, with the GIL held, on a background thread (gloo's, after destroy_process_group) "
+        f"that needs the GIL. Where it was:\n{stack.rstrip() or '(no stack could be taken)'}",
+        ExitHangWarning, stacklevel=4)
+
+
 def root_cause(failures: list[RankFailure]) -> RankFailure:
     """The earliest failure that is not a reaction to a peer's; the earliest of all if every one is."""
     primary = [f for f in failures if not f.secondary] or failures
@@ -279,8 +309,9 @@ def _stop(procs: list, grace: float = 1.0) -> None:
         pass
 
 
-def _take_stacks(procs: list, run_dir: str, wait: float = 2.0) -> dict[int, str]:
-    live = {rank: p for rank, p in enumerate(procs) if p.is_alive()}
+def _take_stacks(procs: dict, run_dir: str, wait: float = 2.0) -> dict[int, str]:
+    """The Python stack of every rank in `procs` (rank -> process) that is still running."""
+    live = {rank: p for rank, p in procs.items() if p.is_alive()}
     if STACK_SIGNAL is None:
         return {rank: "" for rank in live}
     for p in live.values():
@@ -315,7 +346,8 @@ def _trim_stack(stack: str) -> str:
             skip = False
         if skip:
             continue
-        if line.strip().endswith(" in run_worker"):
+        if line.strip().endswith(" in run_worker"):  # kept: a rank can hang in the launcher's code, not fn's
+            out.append(line)
             skip = True
             continue
         out.append(line)
@@ -416,6 +448,7 @@ def _supervise(procs, run_dir, tails, progress, timeout, failure_grace) -> list:
     results: dict[int, object] = {}
     failures: dict[int, RankFailure] = {}
     collected: set[int] = set()
+    reported_at: dict[int, float] = {}  # ranks that wrote their result or error and are still running
     deadline = time.monotonic() + timeout
     first_failure_at = None
     while True:
@@ -432,6 +465,11 @@ def _supervise(procs, run_dir, tails, progress, timeout, failure_grace) -> list:
                 p.join()
                 _collect(rank, p, run_dir, results, failures)
                 collected.add(rank)
+            elif rank not in collected and _outcome(run_dir, rank):
+                reported_at.setdefault(rank, time.monotonic())
+                if time.monotonic() - reported_at[rank] > EXIT_GRACE_S:
+                    _stop_after_outcome(rank, p, run_dir, results, failures)
+                    collected.add(rank)
         if failures and first_failure_at is None:
             first_failure_at = time.monotonic()
         if len(collected) == world_size:
@@ -439,7 +477,7 @@ def _supervise(procs, run_dir, tails, progress, timeout, failure_grace) -> list:
         if first_failure_at is not None and time.monotonic() - first_failure_at > failure_grace:
             break
         if time.monotonic() > deadline:
-            stacks = _take_stacks(procs, run_dir)
+            stacks = _take_stacks(dict(enumerate(procs)), run_dir)
             if failures:  # a rank failed, its peers hung: the failure is the story, the stacks its context
                 break
             raise LaunchTimeout(timeout, stacks, sorted(results))

@@ -18,7 +18,8 @@ import helpers
 import importlib
 
 from helpers import devices
-from helpers.launch import LaunchTimeout, WorkerError, launch
+from helpers.launch import ExitHangWarning, LaunchTimeout, WorkerError, launch
+from helpers.progress import RUN_DIR_VAR
 
 launch_module = importlib.import_module("helpers.launch")  # the module, not the function it exports
 
@@ -211,7 +212,7 @@ def test_timeout_shows_where_each_rank_was_stuck_and_kills_everything():
     assert set(stacks) == {0, 1}
     assert "in work" in stacks[0] and "time.sleep(600)" not in stacks[0]  # faulthandler shows lines, not code
     assert "in barrier" in stacks[1]
-    assert "run_worker" not in stacks[0], "the kernel's own frames should be trimmed"
+    assert "in _bootstrap" not in stacks[0] and "pytest" not in stacks[0], "the kernel's own frames are trimmed"
 
 
 def test_grandchildren_of_a_hung_worker_are_stopped_too():
@@ -412,3 +413,66 @@ def test_the_results_of_ranks_that_returned_survive_a_failure():
     with pytest.raises(WorkerError) as info:
         launch(work, world_size=2, timeout=60)
     assert info.value.results == {0: {"server_record": [1, 2, 3]}}
+
+
+def test_a_rank_that_hangs_on_its_way_out_is_stopped_and_its_result_kept(monkeypatch):
+    # What a gloo process group freed with the GIL held does, now and then, after destroy_process_group.
+    monkeypatch.setattr(launch_module, "EXIT_GRACE_S", 1.0)
+
+    class HangsWhenFreed:
+        def __del__(self):
+            if os.environ["RANK"] == "0":
+                time.sleep(600)
+
+    def work():
+        held = HangsWhenFreed()  # noqa: F841 - freed when work's locals are
+        return int(os.environ["RANK"])
+
+    start = time.monotonic()
+    with pytest.warns(ExitHangWarning) as record:
+        assert launch(work, world_size=2, timeout=60) == [0, 1]
+    assert time.monotonic() - start < 15
+    message = str(record[0].message)
+    assert message.startswith("rank 0 reported its result") and "in __del__" in message, message
+
+
+def test_a_functions_objects_are_freed_after_its_result_is_written(tmp_path):
+    class Marker:
+        def __del__(self):
+            written = os.path.exists(os.path.join(os.environ[RUN_DIR_VAR], f"result.{os.environ['RANK']}"))
+            (tmp_path / f"freed.{os.environ['RANK']}").write_text(str(written))
+
+    def work():
+        marker = Marker()  # noqa: F841
+        return "done"
+
+    assert launch(work, world_size=2, timeout=60) == ["done", "done"]
+    assert [(tmp_path / f"freed.{r}").read_text() for r in (0, 1)] == ["True", "True"]
+
+
+def test_the_profile_hook_that_keeps_the_locals_is_gone_before_the_function_runs_on():
+    def work():
+        return sys.getprofile() is None
+
+    assert launch(work, world_size=1, timeout=60) == [True]
+
+
+def test_a_rank_that_raised_and_hangs_on_its_way_out_is_still_the_root_cause(monkeypatch):
+    monkeypatch.setattr(launch_module, "EXIT_GRACE_S", 1.0)
+
+    class HangsWhenFreed:
+        def __del__(self):
+            time.sleep(600)
+
+    def work():
+        held = HangsWhenFreed()  # noqa: F841
+        if os.environ["RANK"] == "1":
+            raise ValueError("bad batch")
+        return "fine"
+
+    start = time.monotonic()
+    with pytest.warns(ExitHangWarning), pytest.raises(WorkerError) as info:
+        launch(work, world_size=2, timeout=60)
+    assert time.monotonic() - start < 15
+    assert (info.value.rank, info.value.kind) == (1, "ValueError")
+    assert info.value.results == {0: "fine"}
