@@ -38,6 +38,7 @@ DEFAULT_TIMEOUT = 300.0
 # Seconds a rank that has written its result (or error) gets to exit. Past that it is stuck freeing what its function made
 # (see `_worker`): it is stopped, its result kept, and an ExitHangWarning shows where it was.
 EXIT_GRACE_S = 10.0
+STDERR_TAIL_LINES = 40  # of a rank that died without a Python exception, in its WorkerError
 # Messages a rank raises because a *peer* went away: reported, but never as the root cause.
 SECONDARY = re.compile(
     r"connection closed by peer|connection reset|broken pipe|econnreset|recvbytes|sendbytes|"
@@ -210,13 +211,30 @@ def _read_record(path: str):
         return pickle.loads(f.read())
 
 
-def _exit_failure(rank: int, exitcode: int | None) -> RankFailure:
+def _exit_failure(rank: int, exitcode: int | None, run_dir: str) -> RankFailure:
+    """A rank that ended without a result or an exception. Its last stderr lines stand in for the traceback
+    (a C++ abort message, faulthandler's dump of a fatal signal), shown even when the launch was quiet."""
     if exitcode is not None and exitcode < 0:
         name = signal.Signals(-exitcode).name if -exitcode in signal.Signals._value2member_map_ else -exitcode
         message = f"killed by signal {name} before returning (no Python exception)"
     else:
         message = f"exited with code {exitcode} before returning (no Python exception: os._exit or a crash)"
-    return RankFailure(rank, "exit", message, time=time.time())
+    tail = _last_lines(os.path.join(run_dir, f"err.{rank}"), STDERR_TAIL_LINES)
+    traceback = f"(its last {STDERR_TAIL_LINES} lines of stderr at most)\n{tail}" if tail.strip() else ""
+    return RankFailure(rank, "exit", message, traceback, time=time.time())
+
+
+def _last_lines(path: str, count: int, max_bytes: int = 64 << 10) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    # faulthandler's dump of a fatal signal lists a forked worker's inherited kernel frames and every extension
+    # module: neither says anything about the crash, and both would push its message out of the tail
+    text = _trim_stack(data.decode("utf-8", "backslashreplace"))
+    return "\n".join([line for line in text.splitlines() if not line.startswith("Extension modules:")][-count:])
 
 
 def _collect(rank: int, proc, run_dir: str, results: dict, failures: dict) -> None:
@@ -238,7 +256,7 @@ def _collect(rank: int, proc, run_dir: str, results: dict, failures: dict) -> No
                 original = None
         failures[rank] = RankFailure(rank, rec["type"], rec["message"], rec["traceback"], rec["time"], original)
     else:
-        failures[rank] = _exit_failure(rank, proc.exitcode)
+        failures[rank] = _exit_failure(rank, proc.exitcode, run_dir)
 
 
 def _outcome(run_dir: str, rank: int) -> str | None:

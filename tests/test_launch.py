@@ -476,3 +476,18 @@ def test_a_rank_that_raised_and_hangs_on_its_way_out_is_still_the_root_cause(mon
     assert time.monotonic() - start < 15
     assert (info.value.rank, info.value.kind) == (1, "ValueError")
     assert info.value.results == {0: "fine"}
+
+
+def test_a_rank_that_aborts_shows_its_last_stderr_lines_even_when_quiet():
+    def work():
+        if os.environ["RANK"] == "1":
+            print("terminate called after throwing an instance of 'gloo::EnforceNotMet'", file=sys.stderr)
+            os.abort()  # what a C++ std::terminate does
+        return "fine"
+
+    with pytest.raises(WorkerError) as info:
+        launch(work, world_size=2, timeout=60, quiet=True)
+    message = str(info.value)
+    assert message.startswith("rank 1 died: killed by signal SIGABRT"), message
+    assert "gloo::EnforceNotMet" in message, "the abort's own message is in the error"
+    assert "Fatal Python error: Aborted" in message and "in work" in message, "faulthandler shows where"
