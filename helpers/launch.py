@@ -35,8 +35,8 @@ from .loopback_rendezvous import loopback_environment
 from .progress import RUN_DIR_VAR, ProgressDisplay, read_progress
 
 DEFAULT_TIMEOUT = 300.0
-# Seconds a rank that has written its result (or error) gets to exit. Past that it is stuck freeing what its function made
-# (see `_worker`): it is stopped, its result kept, and an ExitHangWarning shows where it was.
+# Seconds a rank that has written its result (or error) gets to exit. Past that it is stuck freeing what its
+# function made (see `_worker`): it is stopped, its result kept, and an ExitHangWarning shows where it was.
 EXIT_GRACE_S = 10.0
 STDERR_TAIL_LINES = 40  # of a rank that died without a Python exception, in its WorkerError
 # Messages a rank raises because a *peer* went away: reported, but never as the root cause.
