@@ -5,4 +5,5 @@ from .launch import ExitHangWarning, LaunchTimeout, WorkerError, default_world_s
 from .progress import report_progress
 
 __all__ = ["launch", "WorkerError", "LaunchTimeout", "ExitHangWarning", "describe_machine", "machine_facts",
-           "gpu_count", "default_backend", "default_world_size", "free_port", "rank_device", "report_progress", "headline"]
+           "gpu_count", "default_backend", "default_world_size", "free_port", "rank_device", "report_progress",
+           "headline"]
