@@ -137,3 +137,21 @@ def run_torchrun(script: str | os.PathLike, *script_args: str, nproc: int = 2, m
     finally:
         reader.join(timeout=5)
     return TorchrunResult(proc.returncode, "".join(captured), command, time.monotonic() - start)
+
+
+def error_files(log_dir: str | os.PathLike, attempt: int = 0) -> list:
+    """The failures torchrun's `@record` wrote for one attempt, as `launch.RankFailure`s (rank = local rank).
+
+    Why: torchrun picks its "root cause" from these files by earliest timestamp; reading them the same way as
+    `helpers.launch` reports a failed launch lets a notebook compare its choice with `launch.root_cause`.
+    """
+    import json
+
+    from .launch import RankFailure
+
+    failures = []
+    for path in sorted(Path(log_dir).glob(f"*/attempt_{attempt}/*/error.json")):
+        record = json.loads(path.read_text())["message"]
+        failures.append(RankFailure(int(path.parent.name), record["message"].split(":")[0], record["message"],
+                                    record["extraInfo"]["py_callstack"], float(record["extraInfo"]["timestamp"])))
+    return failures

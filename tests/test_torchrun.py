@@ -38,3 +38,20 @@ def test_timeout_stops_everything(tmp_path):
     assert time.monotonic() - start < 40
     pid = int(str(info.value).split("worker pid")[1].split()[0])
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_error_files_reads_what_record_writes(tmp_path):
+    import json
+
+    from helpers.torchrun import error_files
+
+    for rank, stamp in ((1, "1700000001"), (0, "1700000002")):
+        folder = tmp_path / "run_id" / "attempt_0" / str(rank)
+        folder.mkdir(parents=True)
+        record = {"message": {"message": f"RuntimeError: boom on {rank}",
+                              "extraInfo": {"py_callstack": "Traceback ...", "timestamp": stamp}}}
+        (folder / "error.json").write_text(json.dumps(record))
+    failures = error_files(tmp_path)
+    assert [(f.rank, f.kind, f.time) for f in failures] == [(0, "RuntimeError", 1700000002.0),
+                                                            (1, "RuntimeError", 1700000001.0)]
+    assert error_files(tmp_path, attempt=1) == []
