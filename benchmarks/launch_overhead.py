@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from helpers import machine_facts
-from helpers.launch_overhead import comparison_table, compare_launchers
+from helpers.measure.launch_overhead import comparison_table, compare_launchers
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ def execute_notebook(path: Path, smoke: bool, out_dir: Path = OUTPUTS, cell_time
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .headline import headlines_of
+    from helpers.measure.headline import headlines_of
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("names", nargs="*", help="substrings of notebook names to run (default: all)")

@@ -1,4 +1,4 @@
-"""Unit tests of helpers.activation_memory: counts compared with tensor sizes known in advance."""
+"""Unit tests of helpers.measure.activations: counts compared with tensor sizes known in advance."""
 from __future__ import annotations
 
 import torch
@@ -6,7 +6,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torch import nn
 
-from helpers.activation_memory import LiveTensorBytes, SavedActivations
+from helpers.measure.activations import LiveTensorBytes, SavedActivations
 
 
 def test_live_bytes_counts_new_tensors_and_their_frees():

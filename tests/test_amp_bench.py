@@ -1,10 +1,10 @@
-"""Unit tests of helpers.amp_bench: the closed forms are checked against the real torch objects they describe."""
+"""Unit tests of helpers.measure.precision: the closed forms are checked against the real torch objects they describe."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import amp_bench
+from helpers.measure import precision as amp_bench
 
 
 def test_scale_trajectory_matches_a_real_gradscaler():

@@ -1,4 +1,4 @@
-"""Unit tests of helpers.bench: the nccl-tests arithmetic, the statistics, the ceilings, and time_collective on real
+"""Unit tests of helpers.measure.collectives: the nccl-tests arithmetic, the statistics, the ceilings, and time_collective on real
 ranks (including a collective whose result is wrong, which the closed-form check must catch)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import helpers
-from helpers import bench
+from helpers.measure import collectives as bench
 
 
 @pytest.mark.parametrize("name, n, factor", [

@@ -1,11 +1,11 @@
-"""Unit tests of helpers.checkpoint_io."""
+"""Unit tests of helpers.measure.disk."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
-from helpers import checkpoint_io
+from helpers.measure import disk as checkpoint_io
 
 
 def test_disk_rates_are_positive_and_leave_nothing_behind(tmp_path):

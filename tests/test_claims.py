@@ -1,9 +1,9 @@
-"""helpers.claims: one verdict for every comparison of a measurement with an article's claim."""
+"""helpers.measure.claims: one verdict for every comparison of a measurement with an article's claim."""
 from __future__ import annotations
 
 import math
 
-from helpers.claims import claim_text, verdict
+from helpers.measure.claims import claim_text, verdict
 
 
 def test_claim_text():

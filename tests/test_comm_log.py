@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.comm_log import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, CollectiveLog
+from helpers.measure.comm_log import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, CollectiveLog
 
 
 @pytest.fixture

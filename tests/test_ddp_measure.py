@@ -1,4 +1,4 @@
-"""helpers.ddp_measure: its predictions against DDP itself, its counters against the closed forms."""
+"""helpers.measure.ddp: its predictions against DDP itself, its counters against the closed forms."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import helpers
 from helpers.data import Split
-from helpers.ddp_measure import (CommCounter, PayloadCounter, accuracy, bucket_limits, bucket_plan,
+from helpers.measure.ddp import (CommCounter, PayloadCounter, accuracy, bucket_limits, bucket_plan,
                                  greedy_buckets, hook_payload_bytes, powersgd_values)
 from helpers.models import DigitsMLP
 

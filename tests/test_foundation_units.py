@@ -10,9 +10,11 @@ import sys
 import pytest
 import torch
 
-from helpers import data, memory, models, progress
-from helpers.headline import MIMETYPE, headlines_of
-from helpers.torchrun import torchrun_lines, write_script
+from helpers import data, models
+from helpers.measure import memory
+from helpers.launcher import progress
+from helpers.measure.headline import MIMETYPE, headlines_of
+from helpers.launcher.torchrun import torchrun_lines, write_script
 
 
 @pytest.mark.parametrize("stage,expected", [(0, 16.0), (1, 4 + 4 + 8 / 4), (2, 4 + 4 / 4 + 8 / 4), (3, 16 / 4)])

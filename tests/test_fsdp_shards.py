@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from helpers.fsdp_shards import fsdp_state_bytes, padded_numel, padded_rows, padding_numel, shard_numel, shard_rows
+from helpers.measure.fsdp_shards import fsdp_state_bytes, padded_numel, padded_rows, padding_numel, shard_numel, shard_rows
 
 SHAPES = [(103, 128), (64, 128), (384, 128), (384,), (128,), (5, 3), (1, 7)]
 
@@ -53,7 +53,7 @@ def _fsdp_bytes_worker(vocab):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from helpers.memory import allocated_state_bytes, model_state_bytes
+    from helpers.measure.memory import allocated_state_bytes, model_state_bytes
     from helpers.models import GPTConfig, TinyGPT
 
     warnings.filterwarnings("ignore")

@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 import helpers
-import importlib
 
 from helpers import devices
-from helpers.launch import ExitHangWarning, LaunchTimeout, WorkerError, launch
-from helpers.progress import RUN_DIR_VAR
+from helpers.launcher.api import ExitHangWarning, LaunchTimeout, WorkerError, launch
+from helpers.launcher.progress import RUN_DIR_VAR
 
-launch_module = importlib.import_module("helpers.launch")  # the module, not the function it exports
+from helpers.launcher import api as launch_module
 
 
 def _init():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from helpers.memory import (CUDA_BLOCK_BYTES, allocated_state_bytes, cuda_memory, model_state_bytes, storage_bytes,
+from helpers.measure.memory import (CUDA_BLOCK_BYTES, allocated_state_bytes, cuda_memory, model_state_bytes, storage_bytes,
                             zero_bytes_per_rank)
 
 

@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from helpers.plots import training  # noqa: E402
-from helpers.timing import summarize  # noqa: E402
+from helpers.measure.timing import summarize  # noqa: E402
 
 
 def test_loss_curves_draws_raw_and_smoothed_line_per_run():

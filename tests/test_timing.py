@@ -1,4 +1,4 @@
-"""helpers.timing and devices.synchronize: the one step timer and the one summary of timings."""
+"""helpers.measure.timing and devices.synchronize: the one step timer and the one summary of timings."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 import helpers
 from helpers.devices import synchronize
-from helpers.timing import summarize, time_steps, timed
+from helpers.measure.timing import summarize, time_steps, timed
 
 
 def test_summarize():

@@ -2,7 +2,7 @@
 returns the Figure. Nothing here measures."""
 from __future__ import annotations
 
-from . import new_figure
+from helpers.plots import new_figure
 
 
 def save_costs(rates: dict[str, float], blocking: dict[str, float]):

@@ -1,4 +1,4 @@
-"""Figures for notebook 01 (and any later notebook that benchmarks collectives with `helpers.bench`).
+"""Figures for notebook 01 (and any later notebook that benchmarks collectives with `helpers.measure.collectives`).
 
 Why these three: what each rank holds before and after a collective is easier to read as a grid than as prose;
 a ring's per-rank traffic against a root's is the whole argument for the ring; and bandwidth against size (with
@@ -7,7 +7,7 @@ bound at small sizes, bandwidth bound at large ones). Each function takes measur
 """
 from __future__ import annotations
 
-from . import new_figure
+from helpers.plots import new_figure
 
 _BYTES_TICKS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -46,7 +46,7 @@ def bandwidth_and_latency(records: list[dict], ceilings: dict | None = None, tit
 
     One line per collective (colour) and backend (line style); shaded: the interquartile range over repeats.
     """
-    from ..bench import COLLECTIVES, GB
+    from helpers.measure.collectives import COLLECTIVES, GB
 
     fig, (ax_bw, ax_lat) = new_figure(2, width=6.4, height=4.2)
     backends = sorted({r["backend"] for r in records})

@@ -4,7 +4,7 @@ Each function takes what the workers measured (plain dicts) and the formula to d
 """
 from __future__ import annotations
 
-from . import new_figure
+from helpers.plots import new_figure
 
 STATE_PARTS = ("parameters", "gradients", "optimizer")
 _COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868",

@@ -1,7 +1,7 @@
 """Figures of notebook 00: what a launch costs."""
 from __future__ import annotations
 
-from . import new_figure
+from helpers.plots import new_figure
 
 
 def launch_times(results: dict[str, dict]):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from . import new_figure
+from helpers.plots import new_figure
 
 MODE_COLORS = {"fp32": "tab:blue", "tf32": "tab:cyan", "bf16": "tab:green", "fp16": "tab:orange"}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from . import new_figure
+from helpers.plots import new_figure
 
 
 def ps_comparison(runs: dict[str, dict]):

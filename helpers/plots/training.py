@@ -4,7 +4,7 @@ Each function takes what the workers measured (plain lists and dicts) and return
 """
 from __future__ import annotations
 
-from . import new_figure
+from helpers.plots import new_figure
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -65,7 +65,7 @@ def bucket_sweep(rows: list[dict], predicted: list[int]):
     calls.set_ylabel("all-reduce calls per step")
     calls.legend(fontsize=8)
     for key, label, colour in (("sync", "DDP step", "C1"), ("local", "same step under no_sync (no all-reduce)", "C2")):
-        med = [r[key]["median_s"] * 1e3 for r in rows]  # r[key]: helpers.timing.summarize of the step times
+        med = [r[key]["median_s"] * 1e3 for r in rows]  # r[key]: helpers.measure.timing.summarize of the step times
         low = [(r[key]["median_s"] - r[key]["q1_s"]) * 1e3 for r in rows]
         high = [(r[key]["q3_s"] - r[key]["median_s"]) * 1e3 for r in rows]
         times.errorbar(x, med, yerr=[low, high], marker="o", capsize=3, color=colour, label=label)

@@ -1,6 +1,6 @@
 """What FSDP2 should hold on each rank, parameter by parameter, with the padding ZeRO's 16Ψ/N leaves out.
 
-Why a module: ZeRO's arithmetic (`helpers.memory.zero_bytes_per_rank`) assumes Ψ divides evenly by N. FSDP2 does
+Why a module: ZeRO's arithmetic (`helpers.measure.memory.zero_bytes_per_rank`) assumes Ψ divides evenly by N. FSDP2 does
 not flatten parameters (FSDP1's FlatParameter did); it shards every parameter on dim 0 the way `torch.chunk` and
 DTensor's `Shard(0)` do: every rank but the last few gets ceil(dim0 / N) rows, the rest get fewer or none. It then
 keeps each shard in a buffer padded to ceil(dim0 / N) rows (so all-gather inputs have one size), and receives a

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from .devices import synchronize
+from helpers.devices import synchronize
 
 
 def timed(fn, device=None, barrier: bool = True):

@@ -23,8 +23,8 @@ import threading
 import time
 import zlib
 
-from .devices import synchronize, usable_cores
-from .timing import summarize, time_steps
+from helpers.devices import synchronize, usable_cores
+from helpers.measure.timing import summarize, time_steps
 
 GB = 1e9  # nccl-tests reports GB/s with GB = 1e9 bytes
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
@@ -222,7 +222,7 @@ def time_collective(name: str, sizes: list[int], *, warmup: int = 5, repeats: in
     import torch
     import torch.distributed as dist
 
-    from .devices import rank_device
+    from helpers.devices import rank_device
 
     key = canonical(name)
     device = rank_device() if device is None else torch.device(device)

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from . import claims
-from .devices import synchronize
+from helpers.measure import claims
+from helpers.devices import synchronize
 
 # Significand bits (stored, without the implicit one) of each format: the closed form of its precision.
 MANTISSA_BITS = {"fp32": 23, "tf32": 10, "bf16": 7, "fp16": 10}

@@ -147,7 +147,7 @@ def error_files(log_dir: str | os.PathLike, attempt: int = 0) -> list:
     """
     import json
 
-    from .launch import RankFailure
+    from helpers.launcher.api import RankFailure
 
     failures = []
     for path in sorted(Path(log_dir).glob(f"*/attempt_{attempt}/*/error.json")):

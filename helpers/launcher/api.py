@@ -29,10 +29,10 @@ import uuid
 import warnings
 from dataclasses import dataclass
 
-from . import devices
-from ._worker import STACK_SIGNAL, run_worker
-from .loopback_rendezvous import loopback_environment
-from .progress import RUN_DIR_VAR, ProgressDisplay, read_progress
+from helpers import devices
+from helpers.launcher.worker import STACK_SIGNAL, run_worker
+from helpers.launcher.rendezvous import loopback_environment
+from helpers.launcher.progress import RUN_DIR_VAR, ProgressDisplay, read_progress
 
 DEFAULT_TIMEOUT = 300.0
 # Seconds a rank that has written its result (or error) gets to exit. Past that it is stuck freeing what its
@@ -185,7 +185,7 @@ class _SpawnedWorker:
 
     def __init__(self, run_dir: str, rank: int):
         helpers_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        code = (f"import sys; sys.path.insert(0, {helpers_root!r}); from helpers._worker import spawn_main; "
+        code = (f"import sys; sys.path.insert(0, {helpers_root!r}); from helpers.launcher.worker import spawn_main; "
                 f"spawn_main({run_dir!r}, {rank})")
         self._popen = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ),
                                        start_new_session=True, stdin=subprocess.DEVNULL,

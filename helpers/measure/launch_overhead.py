@@ -30,7 +30,7 @@ def _spawn_entry(rank: int, world_size: int, port: int) -> None:
 
 
 def with_helpers_launch(world_size: int = 2) -> None:
-    from .launch import launch
+    from helpers.launcher.api import launch
 
     assert launch(trivial_all_reduce, world_size=world_size, quiet=True, timeout=120) == [float(world_size)] * world_size
 
@@ -39,7 +39,7 @@ def with_mp_spawn(world_size: int = 2) -> None:
     """torch.multiprocessing.spawn: a fresh interpreter per rank, importing torch each time."""
     import torch.multiprocessing as tmp
 
-    from .launch import free_port
+    from helpers.launcher.api import free_port
 
     tmp.start_processes(_spawn_entry, args=(world_size, free_port()), nprocs=world_size, start_method="spawn")
 
@@ -51,7 +51,7 @@ def with_notebook_launcher(world_size: int = 2) -> None:
 
     from accelerate import notebook_launcher
 
-    from .launch import free_port
+    from helpers.launcher.api import free_port
 
     # Its banner says "Launching training on N CUDAs." even on a CPU-only machine: keep it out of the output.
     with contextlib.redirect_stdout(io.StringIO()):

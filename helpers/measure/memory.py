@@ -3,7 +3,7 @@
 Why count tensors rather than read an allocator: on CPU there is no allocator statistic to read, and even on GPU
 the allocator mixes parameters, gradients, optimizer state and activations. Counting the tensors each rank really
 holds (the local shard of a DTensor, not its global shape) separates the three that ZeRO shards. What a step
-holds besides (saved activations, peak live tensors) is measured in `helpers.activation_memory`.
+holds besides (saved activations, peak live tensors) is measured in `helpers.measure.activations`.
 """
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def run_worker(payload, rank: int, spec: dict) -> None:
         if "torch" in sys.modules:  # forked: torch's thread pool size was fixed by the parent
             sys.modules["torch"].set_num_threads(int(spec["env"]["OMP_NUM_THREADS"]))
         if spec["loopback_store"]:
-            from . import loopback_rendezvous
+            from helpers.launcher import rendezvous as loopback_rendezvous
 
             if not loopback_rendezvous.install(run_dir):
                 print("helpers.launch: torch's rendezvous registry changed; env:// uses TCPStore "

@@ -1,0 +1,1 @@
+"""Measuring done right: timing, bandwidth and ceilings, memory, communication logs, disk, claim verdicts."""
