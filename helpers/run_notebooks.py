@@ -12,9 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ROOT / "notebooks"
-OUTPUTS = ROOT / "outputs"
+from helpers.paths import NOTEBOOKS, OUTPUTS, REPO_ROOT
 
 
 def notebook_paths() -> list[Path]:

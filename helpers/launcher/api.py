@@ -184,7 +184,9 @@ class _SpawnedWorker:
     """
 
     def __init__(self, run_dir: str, rank: int):
-        helpers_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        from helpers.paths import REPO_ROOT
+
+        helpers_root = str(REPO_ROOT)
         code = (f"import sys; sys.path.insert(0, {helpers_root!r}); from helpers.launcher.worker import spawn_main; "
                 f"spawn_main({run_dir!r}, {rank})")
         self._popen = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ),

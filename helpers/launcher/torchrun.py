@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.paths import REPO_ROOT
 
 
 def write_script(fn, path, imports: str, main: str | None = None) -> Path:
@@ -98,7 +98,7 @@ def run_torchrun(script: str | os.PathLike, *script_args: str, nproc: int = 2, m
         command.append(f"--log-dir={log_dir}")
     command += [*extra, str(script), *map(str, script_args)]
     child_env = {**os.environ, **(env or {})}
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), child_env.get("PYTHONPATH", "")) if p)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH", "")) if p)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     start = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
