@@ -76,4 +76,4 @@ def test_amdahl_bound_and_verdicts():
     assert amp_bench.speedup_verdict(1.6, 1.5, None, True).startswith("within")
     assert amp_bench.speedup_verdict(2.5, 2, 3, True, ceiling=4.0).count("(") == 0  # no excuse when it holds
     na = amp_bench.speedup_verdict(0.1, 2, 3, False, reason="no unit")
-    assert na.startswith("not applicable here: no unit") and "no speed-up claimed" in na
+    assert na.startswith("not comparable here: no unit") and "no speed-up claimed" in na
