@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from helpers import machine_facts
-from helpers.measure.launch_overhead import OURS, comparison_table, compare_launchers
+from helpers.measure.launch_overhead import OURS, compare_launchers, compare_persistent_calls, comparison_table
 
 
 def main() -> None:
@@ -31,6 +31,12 @@ def main() -> None:
         ratio = ours / rival["median_s"]
         print(f"target (at most 0.6x accelerate's notebook_launcher): {'met' if ratio <= 0.6 else 'NOT met'} "
               f"({ours:.3f} s against {rival['median_s']:.3f} s: {ratio:.2f}x)")
+    calls = compare_persistent_calls(args.world_size, repeats=max(15, args.repeats))
+    print("\nper call of a trivial function (first s: the ranks' start for Workers)")
+    persistent = calls["helpers.Workers.run (ranks kept)"]["median_s"]
+    print(comparison_table(calls, reference="helpers.Workers.run (ranks kept)"))
+    print(f"target (at most a tenth of nbdistributed 0.1.0's 0.139 s per trivial cell, measured on the 2-core "
+          f"machine): {'met' if persistent <= 0.0139 else 'NOT met'} ({persistent * 1e3:.1f} ms)")
     if facts["gpus"]:
         print(f"target (GPU machine, at most 0.1 s per launch after the first): "
               f"{'met' if ours <= 0.1 else 'NOT met'} ({ours:.3f} s)")

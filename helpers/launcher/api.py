@@ -134,12 +134,7 @@ def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TI
     """
     world_size = default_world_size() if world_size is None else world_size
     _validate(fn, world_size, backend, timeout, rendezvous, threads)
-    method = choose_start_method(start_method)
-    backend = backend or devices.default_backend(world_size)
-    user_env = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
-    threads = threads or default_threads(world_size, user_env)
-    worker_env = {**user_env, **loopback_environment(), **torchrun_environment(world_size, backend, threads)}
-    worker_env.update({k: str(v) for k, v in (env or {}).items() if k != "OMP_NUM_THREADS"})
+    method, user_env, worker_env, threads = plan(world_size, backend, start_method, env, threads)
     out_stream = open(os.devnull, "w") if quiet else sys.stdout
     err_stream = open(os.devnull, "w") if quiet else sys.stderr
     try:
@@ -159,6 +154,18 @@ def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TI
             err_stream.close()
 
 
+def plan(world_size: int, backend: str | None, start_method: str | None, env: dict | None,
+         threads: int | None) -> tuple[str, dict, dict, int]:
+    """(start method, the kernel's environment with the launch's extras, the workers' environment, threads)."""
+    method = choose_start_method(start_method)
+    backend = backend or devices.default_backend(world_size)
+    user_env = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
+    threads = threads or default_threads(world_size, user_env)
+    worker_env = {**user_env, **loopback_environment(), **torchrun_environment(world_size, backend, threads)}
+    worker_env.update({k: str(v) for k, v in (env or {}).items() if k != "OMP_NUM_THREADS"})
+    return method, user_env, worker_env, threads
+
+
 def _write_launch(run_dir: str, fn, args, kwargs, worker_env: dict, threads: int, rendezvous: str) -> None:
     """The launch's folder holds what every worker reads after it starts: the payload and the kernel's state."""
     import cloudpickle
@@ -172,13 +179,15 @@ def _write_launch(run_dir: str, fn, args, kwargs, worker_env: dict, threads: int
 
 
 def _start(supervision: Supervision, method: str, world_size: int, user_env: dict, worker_env: dict,
-           out_stream, err_stream) -> None:
-    """Start the workers into `supervision.slots` (filled as they start, so a failure half-way still stops all)."""
+           out_stream, err_stream, command_fds: dict[int, int] | None = None) -> None:
+    """Start the workers into `supervision.slots`; a failure half-way stops those already started.
+
+    command_fds: rank -> the read end of its command pipe (persistent workers); handed over, then closed here."""
     from helpers.launcher.server import ServerWorker, server_for
     from helpers.launcher.spawn import SpawnedWorker
 
     pipes = {rank: [os.pipe() for _ in range(3)] for rank in range(world_size)}  # stdout, stderr, progress
-    theirs = {rank: [w for _, w in p] for rank, p in pipes.items()}
+    theirs = {rank: [w for _, w in p] + ([command_fds[rank]] if command_fds else []) for rank, p in pipes.items()}
     workers: dict = {}
     try:
         if method == "forkserver":
@@ -195,11 +204,12 @@ def _start(supervision: Supervision, method: str, world_size: int, user_env: dic
             for r, _ in fds:
                 os.close(r)
         raise
-    finally:  # our copies of the write ends: each pipe's only writer is now its worker
-        for fds in pipes.values():
-            for _, w in fds:
-                os.close(w)
+    finally:  # our copies of the workers' ends: each pipe's only writer (or reader) is now its worker
+        for fds in theirs.values():
+            for fd in fds:
+                os.close(fd)
     for rank, worker in sorted(workers.items()):
         (out_r, _), (err_r, _), (progress_r, _) = pipes[rank]
+        os.set_blocking(progress_r, False)
         supervision.slots.append(RankSlot(rank, worker, RankStream(out_r, rank, out_stream),
                                           RankStream(err_r, rank, err_stream, keep_tail=True), progress_r))

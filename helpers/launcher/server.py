@@ -146,7 +146,8 @@ class ForkServer:
 
     # -- workers
     def fork(self, run_dir: str, fds_by_rank: dict[int, list[int]]) -> dict[int, int]:
-        """A worker for each rank, with its fds as stdout, stderr and progress pipe; returns rank -> pid.
+        """A worker for each rank, with its fds as stdout, stderr, progress pipe (and, for persistent workers, the
+        command pipe); returns rank -> pid.
 
         All requests go out before the first reply is read, so the server forks them back to back."""
         self.wait_ready()
@@ -312,7 +313,7 @@ def serve(fd: int) -> None:
             _reap(sock, children)
         if sock in readable:
             try:
-                data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 8)
+                data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 4)
             except OSError:
                 data, fds = b"", []
             if not data:
@@ -369,13 +370,14 @@ def _fork_worker(request: dict, fds: list[int], sock: socket.socket, wake: tuple
         sock.close()
         for fd in wake:
             os.close(fd)
-        out, err, progress = fds
+        out, err, progress, *command = fds
         os.dup2(out, 1)
         os.dup2(err, 2)
         os.close(out)
         os.close(err)
         from helpers.launcher.worker import run_worker
 
-        run_worker(request["run_dir"], request["rank"], parent_pid=server_pid, progress_fd=progress)
+        run_worker(request["run_dir"], request["rank"], parent_pid=server_pid, progress_fd=progress,
+                   command_fd=command[0] if command else None)
     finally:
         os._exit(1)

@@ -17,12 +17,13 @@ class SpawnedWorker:
     """A worker started as `python -c ...`, with the few methods the supervisor uses."""
 
     def __init__(self, run_dir: str, rank: int, fds: list[int], env: dict, cwd: str):
-        out, err, progress = fds
+        out, err, progress, *command = fds
         helpers_root = str(Path(__file__).resolve().parents[2])
         code = (f"import sys; sys.path.insert(0, {helpers_root!r}); from helpers.launcher.worker import spawn_main; "
-                f"spawn_main({run_dir!r}, {rank}, {progress})")
+                f"spawn_main({run_dir!r}, {rank}, {progress}, {command[0] if command else None})")
         self._popen = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd, start_new_session=True,
-                                       stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(progress,))
+                                       stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                       pass_fds=(progress, *command))
         self.pid = self._popen.pid
         self._pidfd = os.pidfd_open(self.pid) if hasattr(os, "pidfd_open") else None
 

@@ -60,17 +60,20 @@ class Supervision:
     deadline: float = 0.0
     first_failure_at: float | None = None
     redraw_at: float | None = None
+    call: int | None = None  # persistent workers: the call whose "call_done" notices end the supervision
+    outcome_dir: str | None = None  # where results and errors are written (default: run_dir)
     _exit_fds: dict = field(default_factory=dict)  # a readable fd -> the workers whose exit it announces
 
     def run(self) -> list:
         """Results ordered by rank; raises WorkerError (root cause first) or LaunchTimeout."""
         self.deadline = time.monotonic() + self.timeout
+        self._exit_fds = {}
         selector = selectors.DefaultSelector()
         try:
             for slot in self.slots:
-                selector.register(slot.out.fd, selectors.EVENT_READ, ("out", slot))
-                selector.register(slot.err.fd, selectors.EVENT_READ, ("err", slot))
-                os.set_blocking(slot.progress_fd, False)
+                for kind, stream in (("out", slot.out), ("err", slot.err)):
+                    if not stream.closed:
+                        selector.register(stream.fd, selectors.EVENT_READ, (kind, slot))
                 selector.register(slot.progress_fd, selectors.EVENT_READ, ("progress", slot))
             for slot in self.slots:
                 fd = slot.worker.exit_fd()
@@ -91,6 +94,13 @@ class Supervision:
         if stacks is not None:
             raise LaunchTimeout(self.timeout, stacks, sorted(self.results))
         return [self.results[slot.rank] for slot in self.slots]
+
+    def pump_all(self) -> None:
+        """Show what the ranks have written so far (complete lines) and their progress."""
+        for slot in self.slots:
+            slot.out.pump()
+            slot.err.pump()
+            self._read_progress(slot)
 
     def finish(self) -> None:
         """Stop whatever still runs, then show the last output and progress (also after an interrupt)."""
@@ -174,6 +184,8 @@ class Supervision:
                 continue
             if state.get("event") == "reported":
                 slot.reported_at = slot.reported_at or time.monotonic()
+            elif state.get("event") == "call_done" and state.get("call") == self.call and not slot.done:
+                self._collect(slot)
             elif "step" in state:
                 self.progress[slot.rank] = state
                 changed = True
@@ -193,7 +205,8 @@ class Supervision:
         """Record what an exited (or stopped) rank left behind: a result, an exception, or only its exit code."""
         slot.done = True
         rank = slot.rank
-        result_path, error_path = (os.path.join(self.run_dir, f"{kind}.{rank}") for kind in ("result", "error"))
+        result_path, error_path = (os.path.join(self.outcome_dir or self.run_dir, f"{kind}.{rank}")
+                                   for kind in ("result", "error"))
         if os.path.exists(result_path):
             try:
                 with open(result_path, "rb") as f:
@@ -243,7 +256,8 @@ class Supervision:
         """Stacks of the ranks still running, then stop them (their outcome, if any, is kept)."""
         stacks = self._take_stacks(live)
         # what they reported before being stopped counts; what they raise because they are stopped does not
-        reported = [s for s in live if any(os.path.exists(os.path.join(self.run_dir, f"{kind}.{s.rank}"))
+        reported = [s for s in live if any(os.path.exists(os.path.join(self.outcome_dir or self.run_dir,
+                                                                        f"{kind}.{s.rank}"))
                                            for kind in ("result", "error"))]
         stop_sessions([s.worker.pid for s in live], self._gone)
         for slot in live:

@@ -28,6 +28,7 @@ import traceback
 from helpers.launcher.progress import PROGRESS_FD_VAR, report_outcome
 
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+COMMAND_FD_VAR = "COOKBOOK_COMMAND_FD"
 
 
 def _line_buffered_std_streams() -> None:
@@ -136,7 +137,7 @@ def _call_keeping_locals(fn, args, kwargs, kept: list):
         sys.setprofile(previous)  # a builtin fn makes no Python call: the hook must not outlive it
 
 
-def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int) -> None:
+def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, command_fd: int | None = None) -> None:
     """Entry point of every worker (forked by the server, or spawned). Never returns: ends with os._exit."""
     exit_code = 1
     try:
@@ -160,6 +161,8 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int) -> No
         os.environ.update(spec["env"])
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                            PROGRESS_FD_VAR: str(progress_fd)})
+        if command_fd is not None:  # a persistent rank (`Workers`): its calls arrive on this pipe
+            os.environ[COMMAND_FD_VAR] = str(command_fd)
         os.chdir(spec["cwd"])
         sys.path[:] = spec["sys_path"]
         _fresh_random_state()
@@ -215,8 +218,8 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int) -> No
         os._exit(exit_code)
 
 
-def spawn_main(run_dir: str, rank: int, progress_fd: int) -> None:
+def spawn_main(run_dir: str, rank: int, progress_fd: int, command_fd: int | None = None) -> None:
     """Entry point of a spawned worker: a fresh interpreter, child of the kernel, that imports torch itself."""
     import torch  # noqa: F401 - what the fork-server has preloaded, so both start methods set up alike
 
-    run_worker(run_dir, rank, parent_pid=os.getppid(), progress_fd=progress_fd)
+    run_worker(run_dir, rank, parent_pid=os.getppid(), progress_fd=progress_fd, command_fd=command_fd)

@@ -144,10 +144,29 @@ def comparison_table(results: dict[str, dict], reference: str = OURS) -> str:
     """The comparison as text: first launch, median and spread of the later ones, ratio to `reference`, and the
     signal handlers each launcher replaced in this process."""
     ours = results[reference]["median_s"]
-    lines = [f"{'launcher':<30} {'first s':>8} {'median s':>9} {'min s':>7} {'max s':>7} {'x ours':>7}  "
+    lines = [f"{'launcher':<40} {'first s':>8} {'median s':>9} {'min s':>7} {'max s':>7} {'x ours':>7}  "
              "kernel signal handlers replaced"]
     for name, r in results.items():
         changed = ", ".join(r.get("changed_handlers", [])) or "none"
-        lines.append(f"{name:<30} {r['first_s']:>8.3f} {r['median_s']:>9.3f} {r['min_s']:>7.3f} {r['max_s']:>7.3f} "
+        lines.append(f"{name:<40} {r['first_s']:>8.3f} {r['median_s']:>9.3f} {r['min_s']:>7.3f} {r['max_s']:>7.3f} "
                      f"{r['median_s'] / ours:>7.1f}  {changed}")
     return "\n".join(lines)
+
+
+def compare_persistent_calls(world_size: int = 2, repeats: int = 15) -> dict[str, dict]:
+    """Per-call cost of a trivial function on `Workers` (ranks kept alive) against a fresh `launch` each time,
+    side by side in this process. The persistent ranks' start is reported as their first call."""
+    from helpers.launcher.api import launch
+    from helpers.launcher.workers import Workers
+
+    def trivial():
+        return 1
+
+    results = {"helpers.launch (fresh ranks each call)":
+               time_launches(lambda: launch(trivial, world_size=world_size, quiet=True, timeout=120), repeats)}
+    start = time.perf_counter()
+    with Workers(world_size, timeout=120) as workers:
+        started = time.perf_counter() - start
+        results["helpers.Workers.run (ranks kept)"] = time_launches(lambda: workers.run(trivial), repeats)
+    results["helpers.Workers.run (ranks kept)"]["first_s"] = started
+    return results
