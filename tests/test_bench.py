@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch.distributed as dist
 
 import helpers
 from helpers.measure import collectives as bench
@@ -96,6 +97,56 @@ def test_time_collective_on_two_ranks():
         assert r["busbw"] == pytest.approx(r["size_bytes"] / r["median_s"] * bench.busbw_factor(r["collective"], 2))
         assert r["busbw_q1"] <= r["busbw"] <= r["busbw_q3"]
         assert r["timing"].startswith("first start to last end")
+
+
+def test_single_tensor_collectives_fall_back_to_the_older_names(monkeypatch):
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    assert bench.single_tensor_collectives() == (dist.all_gather_into_tensor, dist.reduce_scatter_tensor)
+
+
+def _without_the_213_names_worker(sizes):
+    import torch.distributed as dist
+
+    for name in ("all_gather_single", "reduce_scatter_single"):  # as in torch 2.11
+        if hasattr(dist, name):
+            delattr(dist, name)
+    dist.init_process_group(backend="gloo")
+    records = [r for name in ("all_gather", "reduce_scatter") for r in bench.time_collective(name, sizes, warmup=1,
+                                                                                             repeats=2)]
+    dist.destroy_process_group()
+    return records
+
+
+def test_time_collective_works_without_all_gather_single():
+    records = helpers.launch(_without_the_213_names_worker, [1 << 12], world_size=2, timeout=120, quiet=True)[0]
+    assert [r["collective"] for r in records] == ["all_gather", "reduce_scatter"] and all(r["checked"] for r in records)
+
+
+def test_sweep_worker_measures_every_collective_and_the_ceilings():
+    results = helpers.launch(bench.sweep_worker, [1 << 10, 1 << 14], 1, 2, world_size=2, timeout=180, quiet=True)
+    assert results[0]["records"] == results[1]["records"] and results[1]["ceilings"] is None
+    assert [r["collective"] for r in results[0]["records"]] == [c for c in bench.COLLECTIVES for _ in range(2)]
+    assert set(results[0]["ceilings"]) == {"tcp", "memcpy", "tcp_latency"}
+    assert all(c["of_runs"] == 2 for c in results[0]["ceilings"].values())
+
+
+def test_intra_op_threads_worker_times_every_count_every_round():
+    results = helpers.launch(bench.intra_op_threads_worker, (1, 2), 256, 3, 5, 2, world_size=2, timeout=180,
+                             quiet=True, start_method="spawn")
+    assert results[0] == results[1]
+    assert sorted(results[0]["times_s"]) == [1, 2] and all(len(t) == 3 and min(t) > 0
+                                                           for t in results[0]["times_s"].values())
+
+
+def test_transport_facts_reads_this_machine():
+    facts = bench.transport_facts()
+    assert set(facts) == {"tcp_rmem", "rmem_max", "infiniband", "numa_nodes", "numactl", "cores"}
+    assert facts["tcp_rmem"] is None or len(facts["tcp_rmem"]) == 3
+
+
+def test_human_bytes():
+    assert [bench.human_bytes(v) for v in (512, 1024, 1536, 1 << 30)] == ["512 B", "1 KiB", "1.5 KiB", "1 GiB"]
 
 
 def _broken_check_worker():
