@@ -360,6 +360,39 @@ def intra_op_threads_worker(thread_counts=(1, 4), size_bytes: int = 1024, rounds
         dist.destroy_process_group()
 
 
+def detail_cost_worker(rounds: int = 15, calls: int = 20) -> dict:
+    """What `TORCH_DISTRIBUTED_DEBUG=DETAIL` costs one small all-reduce: its time on the default group (checked,
+    when the variable is set) over its time on a group created with the check switched off, side by side.
+
+    Launch it with env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}. No barrier between the calls: under DETAIL a barrier
+    is a checked collective of its own. Returns the per-round ratios and both medians (seconds per call).
+    """
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    try:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+        unchecked = dist.new_group()  # created while the check is off: not wrapped
+        dist.set_debug_level_from_env()
+        tensor = torch.ones(1)
+
+        def per_call_s(group):
+            start = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(tensor, group=group)
+            return (time.perf_counter() - start) / calls
+
+        per_call_s(None), per_call_s(unchecked)  # warm-up
+        pairs = [(per_call_s(None), per_call_s(unchecked)) for _ in range(rounds)]
+        return {"debug_level": str(dist.get_debug_level()), "ratios": [d / o for d, o in pairs],
+                "detail_s": summarize([d for d, _ in pairs])["median_s"],
+                "off_s": summarize([o for _, o in pairs])["median_s"]}
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
 def transport_facts() -> dict:
     """What this machine has of the settings the articles' network advice touches: TCP receive-buffer limits
     (net.ipv4.tcp_rmem min/default/max and net.core.rmem_max, bytes), InfiniBand devices, NUMA nodes, numactl.
@@ -565,6 +598,56 @@ def format_ceilings(ceilings: dict) -> str:
             lines.append(f"{c['name']:<32} {c['rate'] / GB:10.2f} GB/s ({spread}; {human_bytes(c['size_bytes'])}; "
                          f"counted as {c['counts']})")
     return "\n".join(lines)
+
+
+def latency_and_bandwidth(rows: list[dict]) -> dict:
+    """The two figures an article's backend table quotes, from one collective's records: latency (ms, the median
+    time of the smallest message) and bandwidth (GB/s, the best busbw), each as (median, bootstrap interval of the
+    median over the repeats), and the context they were measured in."""
+    from helpers.measure.claims import median_interval
+
+    small, best = smallest(rows), peak(rows)
+    return {"latency_ms": (small["median_s"] * 1e3, tuple(t * 1e3 for t in median_interval(small["times_s"]))),
+            "bandwidth_GBps": (best["busbw"] / GB, tuple(sorted(best["size_bytes"] * best["factor"] / t / GB
+                                                                for t in median_interval(best["times_s"])))),
+            "context": f"{best['world_size']} ranks, {best['device']} tensors, {best['collective']} of "
+                       f"{human_bytes(small['size_bytes'])}..{human_bytes(max(r['size_bytes'] for r in rows))}"}
+
+
+def share_of_peak(rows: list[dict]) -> tuple[float, tuple[float, float]]:
+    """The smallest message's busbw as a % of the best busbw among `rows`: (median, (slowest repeat, fastest))."""
+    small, best = smallest(rows), peak(rows)
+    low, mid, high = (100 * small["size_bytes"] * small["factor"] / t / best["busbw"]
+                      for t in (small["max_s"], small["median_s"], small["min_s"]))
+    return mid, (low, high)
+
+
+def ratio_to_ceiling(record: dict, ceiling: dict) -> tuple[float, tuple[float, float]]:
+    """A record's busbw over a bandwidth ceiling's rate: (medians' ratio, (slowest over fastest, fastest over
+    slowest)), the interval spanning both measurements' repeats."""
+    size = record["size_bytes"] * record["factor"]
+    return ((size / record["median_s"]) / (ceiling["size_bytes"] / ceiling["median_s"]),
+            ((size / record["max_s"]) / (ceiling["size_bytes"] / ceiling["min_s"]),
+             (size / record["min_s"]) / (ceiling["size_bytes"] / ceiling["max_s"])))
+
+
+def one_gpu_report(alone: dict, shared: dict, world_size: int) -> str:
+    """What one GPU can and cannot show, from `sweep_worker` at world size 1 under NCCL (`alone`) and two gloo ranks
+    sharing the GPU (`shared`), with the device copy rate (HBM) as the ceiling."""
+    hbm = alone["ceilings"]["device_copy"]
+    call = smallest([r for r in alone["records"] if r["collective"] == "all_reduce"])
+    return "\n".join([
+        format_ceilings({"device_copy": hbm}), "", format_table(alone["records"], hbm), "",
+        format_table(shared["records"], hbm), "", "what one GPU shows:",
+        f"  the fixed cost of an NCCL call: all_reduce of {human_bytes(call['size_bytes'])} on 1 rank, "
+        f"{call['median_s'] * 1e6:.1f} us",
+        f"  the GPU's copy rate (HBM), the ceiling of any collective on it: {hbm['rate'] / GB:.0f} GB/s",
+        f"  gloo moving CUDA tensors between two ranks through host memory: best busbw "
+        f"{peak(shared['records'])['busbw'] / GB:.2f} GB/s",
+        "what it cannot show:",
+        "  NCCL's busbw between GPUs: at world size 1 nothing crosses a link (busbw factor 0); that needs two GPUs",
+        "  NCCL against gloo on the same GPUs: NCCL refuses two ranks on one GPU",
+        f"  the multi-rank demos ran gloo on CPU ({world_size} ranks)"])
 
 
 def peak(records: list[dict], key: str = "busbw") -> dict:
