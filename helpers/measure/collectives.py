@@ -4,8 +4,9 @@ algbw and busbw as nccl-tests defines them, and the ceilings a figure should be 
 Why a module: every notebook that says "communication costs X" needs the same discipline, and the mistakes are
 easy to make (timing the first call, which includes connection set-up; timing one rank, which may have arrived
 late; forgetting `cuda.synchronize`, which times the kernel launch; comparing a reduce-scatter's bandwidth with
-an all-reduce's without the bus factor). Everything here is called inside a worker after
-`dist.init_process_group()`; nothing is called from the kernel except the pure arithmetic and formatting.
+an all-reduce's without the bus factor). `time_collective` and the ceilings are called inside a worker after
+`dist.init_process_group()`; the `*_worker` harnesses are launched as they are (`helpers.launch(bench.sweep_worker,
+...)`) and start their own group; from the kernel only the pure arithmetic, reading and formatting are called.
 
 Definitions (nccl-tests, doc/PERFORMANCE.md). S is the size of the *full* array in bytes: the all-reduce buffer,
 the all-gather output, the reduce-scatter input, the all-to-all buffer of one rank, the broadcast buffer.
