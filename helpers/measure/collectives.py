@@ -329,8 +329,8 @@ def intra_op_threads_worker(thread_counts=(1, 4), size_bytes: int = 1024, rounds
     of load on a shared machine hits the counts of one round alike, and the per-round ratio is the sample a
     verdict's interval is taken from. `torch.set_num_threads` is what one article pairs with numactl binding.
     Every rank returns the same times: per round and count, the slowest rank's mean time per call.
-    Launch it with start_method="spawn" on a kernel that forks its workers: a forked worker that asks for two or
-    more OpenMP threads can hang (GNU OpenMP's pool does not survive a fork).
+    (Run it in workers that were not forked from a process that has used OpenMP: `helpers.launch`'s fork-server
+    never has; a fork of a kernel that ran a multi-threaded op can hang at its first parallel op.)
     """
     import torch
     import torch.distributed as dist
