@@ -213,14 +213,15 @@ def test_ratio_interval_brackets_the_ratio_of_medians():
     assert measure_ddp.ratio_interval([1.0] * 5, [1.0] * 5) == (1.0, 1.0)
 
 
-@pytest.mark.parametrize("interleave", [True, 1])
-def test_step_times_counts_buckets_and_keeps_variants_comparable(interleave):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_step_times_counts_buckets_and_keeps_variants_comparable(grouped):
     variants = {"step": {"ddp": {"bucket_cap_mb": 0.05}}, "no_sync": {"mode": "no_sync", "count_buckets": False},
                 "delayed": {"mode": "delayed", "count_buckets": False}, "plain": {"ddp": None, "memory": True},
                 "accum": {"accum": 2, "count_buckets": False}, "allreduce": {"mode": "allreduce"}}
+    if grouped:  # each variant built, timed and freed on its own
+        variants = {label: {**spec, "group": label} for label, spec in variants.items()}
     model_of = functools.partial(DigitsMLP, 64, 2)
-    ranks = helpers.launch(measure_ddp.step_times, model_of, 8, variants, 3, interleave=interleave, world_size=2,
-                           timeout=120)
+    ranks = helpers.launch(measure_ddp.step_times, model_of, 8, variants, 3, world_size=2, timeout=120)
     for r in ranks:
         assert all(len(v["times"]) == 3 and min(v["times"]) > 0 for v in r.values())
         assert r["step"]["buckets"] == bucket_plan(model_of(), 0.05)
@@ -255,3 +256,10 @@ def test_loader_throughput_reports_every_setting_and_repeat():
     settings = {"inline": {}, "one worker": {"num_workers": 1, "persistent_workers": True}}
     rates = helpers.launch(measure_ddp.loader_throughput, settings, 32, 3, 2, world_size=1, timeout=120)[0]
     assert set(rates) == set(settings) and all(len(r) == 2 and min(r) > 0 for r in rates.values())
+
+
+def test_weak_scaling_rows_and_the_plain_step_at_world_size_one():
+    rows = measure_ddp.weak_scaling(functools.partial(DigitsMLP, 32, 2), 8, [1, 2], 2, gpus=0, timeout=120)
+    assert [r["world_size"] for r in rows] == [1, 2] and rows[0]["efficiency"] == 1.0
+    assert set(rows[0]["times"]) == {"step", "no_sync", "allreduce", "plain"} and "plain" not in rows[1]["times"]
+    assert all(r["samples_per_s"] > 0 and len(r["rates"]) == 2 for r in rows)

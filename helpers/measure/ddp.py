@@ -305,8 +305,7 @@ def _bucket_bytes(spec: dict, model_factory, x, y, device, seed: int) -> list[in
     return counter.bucket_bytes
 
 
-def step_times(model_factory, batch_size: int, variants: dict, repeats: int, seed: int = 0, warmup: int = 2,
-               interleave: bool | int = True) -> dict:
+def step_times(model_factory, batch_size: int, variants: dict, repeats: int, seed: int = 0, warmup: int = 2) -> dict:
     """A measurement worker (launch it; it joins the process group itself): times variants of one training step.
 
     Why here and not in the notebook: the notebook shows the DDP lines (the wrapper, `no_sync`, `bucket_cap_mb`);
@@ -318,10 +317,10 @@ def step_times(model_factory, batch_size: int, variants: dict, repeats: int, see
     "delayed" (backward under no_sync, then one all-reduce of all gradients after it: Apex's
     delay_all_reduce=True), or "allreduce" (only the all-reduces of DDP's buckets, no compute);
     "accum": micro-batches per step (no_sync on all but the last); "factory": another model_factory;
-    "memory": also record the peak tensor bytes of one step; "count_buckets" (default True for DDP variants)}.
-    interleave: build every variant first and time them in turn, repeat after repeat, so that a load that comes
-    and goes on a shared machine hits all of them alike (a ratio taken side by side); an int k does so for each
-    k consecutive variants at a time, False for one at a time (many large models: less memory).
+    "memory": also record the peak tensor bytes of one step; "count_buckets" (default True for DDP variants);
+    "group": variants of one group (default: all in one) are built together and timed in turn, repeat after
+    repeat, so that a load that comes and goes on a shared machine hits them alike (a ratio taken side by side);
+    groups are timed one after the other, each freed before the next is built (many large models: less memory)}.
     Returns per label: "times" (seconds per repeat), "buckets" (bytes of each bucket DDP reduced in a step,
     counted by a comm hook, from its second iteration), "peak_bytes", "params" (after every step ran; every
     variant runs warmup + repeats steps, plus one with "memory").
@@ -335,10 +334,10 @@ def step_times(model_factory, batch_size: int, variants: dict, repeats: int, see
     try:
         x, y = _digits_batch(batch_size, device)
         out = {label: {"times": []} for label in variants}
-        labels = list(variants)
-        size = len(labels) if interleave is True else max(1, int(interleave))
-        groups = [labels[i:i + size] for i in range(0, len(labels), size)]
-        for labels in groups:
+        groups: dict = {}
+        for label, spec in variants.items():
+            groups.setdefault(spec.get("group"), []).append(label)
+        for labels in groups.values():
             built = {label: _variant_step(variants[label], model_factory, x, y, device, seed) for label in labels}
             for _ in range(warmup):
                 for _, step in built.values():
@@ -426,7 +425,8 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     """Per world size n (CPU ranks with GPUs hidden where n > gpus): the medians of the DDP step, the same step
     under no_sync (compute only) and the all-reduce of its buckets alone; samples/s; and the share of the
     all-reduce time hidden behind backward, 1 - (step - compute) / all-reduce (nan at n = 1). Rows for
-    helpers.plots.training.scaling. Every rank's parameters agree after the timed steps (checked)."""
+    helpers.plots.training.scaling; "times" holds each variant's repeats, at n = 1 also the plain module's step
+    without DDP ("plain"), timed side by side: DDP's own overhead. Every rank's parameters agree (checked)."""
     import statistics
 
     from helpers.launcher import launch
@@ -434,12 +434,14 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     rows = []
     modes = {m: {"mode": m, "count_buckets": False} for m in ("step", "no_sync", "allreduce")}
     for n in sizes:
-        ranks = launch(step_times, model_factory, per_rank, modes, repeats, world_size=n, timeout=timeout,
+        variants = {**modes, "plain": {"ddp": None}} if n == 1 else modes
+        ranks = launch(step_times, model_factory, per_rank, variants, repeats, world_size=n, timeout=timeout,
                        env=cpu_ranks_env(n, gpus))
         if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
             raise AssertionError(f"world size {n}: the replicas drifted apart")
         t = {m: statistics.median(ranks[0][m]["times"]) for m in modes}
         rows.append({"world_size": n, "samples_per_s": n * per_rank / t["step"], **t,
+                     "times": {m: r["times"] for m, r in ranks[0].items()},
                      "rates": [n * per_rank / s for s in ranks[0]["step"]["times"]],
                      "overlap": 1 - max(0.0, t["step"] - t["no_sync"]) / t["allreduce"] if n > 1 else float("nan")})
     for r in rows:
