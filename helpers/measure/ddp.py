@@ -422,9 +422,10 @@ def percent_change(new_times: list[float], old_times: list[float]) -> tuple[floa
 
 
 def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, gpus: int, timeout: float) -> list:
-    """Per world size n (CPU ranks with GPUs hidden where n > gpus): the medians of the DDP step, the same step
-    under no_sync (compute only) and the all-reduce of its buckets alone; samples/s; and the share of the
-    all-reduce time hidden behind backward, 1 - (step - compute) / all-reduce (nan at n = 1). Rows for
+    """Per world size n: the medians of the DDP step, the same step under no_sync (compute only) and the
+    all-reduce of its buckets alone; samples/s; and the share of the all-reduce time hidden behind backward,
+    1 - (step - compute) / all-reduce (nan at n = 1). Where the largest n exceeds the GPUs every n runs on CPU
+    ranks with the GPUs hidden, so that T_n / (n T_1) compares one kind of device. Rows for
     helpers.plots.training.scaling; "times" holds each variant's repeats, at n = 1 also the plain module's step
     without DDP ("plain"), timed side by side: DDP's own overhead. Every rank's parameters agree (checked)."""
     import statistics
@@ -436,7 +437,7 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     for n in sizes:
         variants = {**modes, "plain": {"ddp": None}} if n == 1 else modes
         ranks = launch(step_times, model_factory, per_rank, variants, repeats, world_size=n, timeout=timeout,
-                       env=cpu_ranks_env(n, gpus))
+                       env=cpu_ranks_env(max(sizes), gpus))  # one device kind for every n: T_n / (n T_1) compares
         if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
             raise AssertionError(f"world size {n}: the replicas drifted apart")
         t = {m: statistics.median(ranks[0][m]["times"]) for m in modes}
