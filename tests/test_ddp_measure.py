@@ -1,7 +1,9 @@
 """helpers.measure.ddp: its predictions against DDP itself, its counters against the closed forms."""
 from __future__ import annotations
 
+import functools
 import math
+import os
 import random
 
 import pytest
@@ -10,6 +12,7 @@ import torch.distributed as dist
 
 import helpers
 from helpers.data import Split
+from helpers.measure import ddp as measure_ddp
 from helpers.measure.ddp import (CommCounter, PayloadCounter, accuracy, bucket_limits, bucket_plan,
                                  greedy_buckets, hook_payload_bytes, powersgd_values)
 from helpers.models import DigitsMLP
@@ -136,3 +139,127 @@ def test_accuracy_counts_correct_predictions_and_restores_mode():
     model = Constant().train()
     assert accuracy(model, Split(torch.zeros(8, 64), labels), batch_size=3) == 5 / 8
     assert model.training
+
+
+# ------------------------------------------------------------------------------------------ CPU ranks on a GPU machine
+
+
+def _powersgd_step_on_cpu(pretend_cuda: bool) -> list:
+    """One-rank gloo group, a CPU DDP model with PowerSGD from its first step; returns the torch.cuda.synchronize
+    calls the hook made. With pretend_cuda, the process believes a GPU is present (as a CPU rank on a GPU machine
+    does) and synchronize records its argument, then raises as the real one does for a CPU device."""
+    from unittest import mock
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    calls = []
+
+    def synchronize(device=None):
+        calls.append(torch.device(device) if device is not None else None)
+        if device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DDP(DigitsMLP(hidden=32, depth=2))
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                            min_compression_rate=0.1)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+        with mock.patch.object(torch.cuda, "is_available", lambda: pretend_cuda), \
+                mock.patch.object(torch.cuda, "synchronize", synchronize):
+            for _ in range(3):  # iterations 0-1 plain all-reduce, then PowerSGD
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+    finally:
+        dist.destroy_process_group()
+    return calls
+
+
+def test_powersgd_hook_synchronizes_cuda_for_a_cpu_bucket_when_a_gpu_is_visible():
+    """The cause of the crash of notebook 02's PowerSGD demo on CPU ranks of a GPU machine: torch's hook calls
+    torch.cuda.synchronize(bucket device) whenever CUDA is available, whatever the bucket's device."""
+    with pytest.raises(Exception, match="cuda device"):
+        _powersgd_step_on_cpu(pretend_cuda=True)
+    assert _powersgd_step_on_cpu(pretend_cuda=False) == [], "a process that sees no GPU makes no CUDA call"
+
+
+def test_cpu_ranks_hide_the_gpus_only_when_ranks_outnumber_them():
+    assert measure_ddp.cpu_ranks_env(world_size=2, gpus=1) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert measure_ddp.cpu_ranks_env(world_size=4, gpus=2) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert measure_ddp.cpu_ranks_env(world_size=2, gpus=2) == {}  # a GPU per rank: NCCL, GPUs kept
+    assert measure_ddp.cpu_ranks_env(world_size=2, gpus=0) == {}  # nothing to hide
+
+
+def _sees_cuda():
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "available": torch.cuda.is_available()}
+
+
+def test_cpu_ranks_env_reaches_the_workers():
+    seen = helpers.launch(_sees_cuda, world_size=2, timeout=60, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert all(s == {"visible": "", "available": False} for s in seen)
+
+
+# ----------------------------------------------------------------------------------------------- timing workers
+
+
+def test_ratio_interval_brackets_the_ratio_of_medians():
+    a, b = [2.0, 2.1, 1.9, 2.05, 1.95], [1.0, 1.02, 0.98, 1.01, 0.99]
+    low, high = measure_ddp.ratio_interval(a, b)
+    assert low <= 2.0 <= high and high - low < 0.4
+    assert measure_ddp.ratio_interval([1.0] * 5, [1.0] * 5) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_step_times_counts_buckets_and_keeps_variants_comparable(grouped):
+    variants = {"step": {"ddp": {"bucket_cap_mb": 0.05}}, "no_sync": {"mode": "no_sync", "count_buckets": False},
+                "delayed": {"mode": "delayed", "count_buckets": False}, "plain": {"ddp": None, "memory": True},
+                "accum": {"accum": 2, "count_buckets": False}, "allreduce": {"mode": "allreduce"}}
+    if grouped:  # each variant built, timed and freed on its own
+        variants = {label: {**spec, "group": label} for label, spec in variants.items()}
+    model_of = functools.partial(DigitsMLP, 64, 2)
+    ranks = helpers.launch(measure_ddp.step_times, model_of, 8, variants, 3, world_size=2, timeout=120)
+    for r in ranks:
+        assert all(len(v["times"]) == 3 and min(v["times"]) > 0 for v in r.values())
+        assert r["step"]["buckets"] == bucket_plan(model_of(), 0.05)
+        assert r["plain"]["peak_bytes"] > 0
+        # the same seed, batch and number of steps: overlapped and delayed all-reduce train the same parameters
+        assert torch.allclose(r["step"]["params"], r["delayed"]["params"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(ranks[0]["delayed"]["params"], ranks[1]["delayed"]["params"])
+    assert not torch.equal(ranks[0]["no_sync"]["params"], ranks[1]["no_sync"]["params"]), "no_sync: local steps"
+
+
+def _counted_body(device, n):
+    for _ in range(n):
+        dist.all_reduce(torch.ones(5, device=device))
+    return "done"
+
+
+def _in_group(body, *args):
+    dist.init_process_group("gloo")
+    try:
+        return body(torch.device("cpu"), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_payload_counted_wraps_a_body_from_outside():
+    out = helpers.launch(_in_group, functools.partial(measure_ddp.payload_counted, _counted_body), 3, world_size=2,
+                         timeout=60)
+    assert out == [{"result": "done", "bytes": 3 * 5 * 4}] * 2
+
+
+def test_loader_throughput_reports_every_setting_and_repeat():
+    settings = {"inline": {}, "one worker": {"num_workers": 1, "persistent_workers": True}}
+    rates = helpers.launch(measure_ddp.loader_throughput, settings, 32, 3, 2, world_size=1, timeout=120)[0]
+    assert set(rates) == set(settings) and all(len(r) == 2 and min(r) > 0 for r in rates.values())
+
+
+def test_weak_scaling_rows_and_the_plain_step_at_world_size_one():
+    rows = measure_ddp.weak_scaling(functools.partial(DigitsMLP, 32, 2), 8, [1, 2], 2, gpus=0, timeout=120)
+    assert [r["world_size"] for r in rows] == [1, 2] and rows[0]["efficiency"] == 1.0
+    assert set(rows[0]["times"]) == {"step", "no_sync", "allreduce", "plain"} and "plain" not in rows[1]["times"]
+    assert all(r["samples_per_s"] > 0 and len(r["rates"]) == 2 for r in rows)

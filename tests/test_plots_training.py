@@ -60,3 +60,16 @@ def test_scaling_efficiency_and_refusal():
     assert list(thr.lines[1].get_ydata()) == [100.0, 200.0]
     with pytest.raises(ValueError):
         training.scaling([{"world_size": 1, "samples_per_s": float("nan")}])
+
+
+def test_bucket_sweep_takes_raw_step_times_too():
+    rows = [{"cap": c, "buckets": [1] * n, "sync": [0.009, 0.01, 0.012], "local": [0.004, 0.005, 0.006]}
+            for c, n in ((0.1, 4), (None, 2))]
+    times = training.bucket_sweep(rows, [4, 2]).axes[1]
+    assert list(times.containers[0].lines[0].get_ydata()) == [10.0] * 2
+
+
+def test_compression_without_step_times_draws_two_panels():
+    rows = [{"method": "allreduce", "bytes_per_step": 4e6, "accuracy": 0.95},
+            {"method": "fp16", "bytes_per_step": 2e6, "accuracy": 0.95}]
+    assert [len(ax.patches) for ax in training.compression(rows).axes] == [2, 2]

@@ -23,6 +23,7 @@ from helpers.paths import SCRIPTS
 SMOKE_ARGS: dict[str, list[str]] = {
     "collectives.py": ["--elements-per-rank", "1000"],
     "hello_distributed.py": [],
+    "train_ddp.py": ["--epochs", "1", "--hidden", "64", "--depth", "2", "--checkpoint", "digits_mlp.pt"],
 }
 RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "5"))
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata"}

@@ -11,6 +11,8 @@ computes. The predictions are the closed forms the notebook asserts against:
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import threading
 from dataclasses import dataclass, field
@@ -203,3 +205,246 @@ def hook_payload_bytes(shapes: list[tuple[int, ...]], method: str, rank: int | N
             raise ValueError("PowerSGD's payload depends on its matrix_approximation_rank: pass rank=")
         return 4 * sum(powersgd_values(tuple(s), rank, min_compression_rate) for s in shapes)
     raise ValueError(f"unknown method {method!r}: use 'allreduce', 'fp16', 'bf16' or 'powersgd'")
+
+
+# ----------------------------------------------------------------------------------------------- CPU ranks
+
+
+def cpu_ranks_env(world_size: int, gpus: int) -> dict[str, str]:
+    """The environment for a demo's ranks: GPUs hidden (CUDA_VISIBLE_DEVICES="") when the ranks run on CPU.
+
+    Why: with more ranks than GPUs the ranks compute on CPU with gloo, but a process that can see a GPU makes
+    torch's own code take "CUDA is available" to mean "these tensors are on CUDA": PowerSGD's hook calls
+    `torch.cuda.synchronize(bucket.device)` whenever `torch.cuda.is_available()`, which raises for a CPU bucket
+    (tests/test_ddp_measure.py reproduces it). A CPU rank that cannot see a GPU is a CPU rank all the way down.
+    Ranks that each have a GPU keep them (an empty dict).
+    """
+    return {"CUDA_VISIBLE_DEVICES": ""} if 0 < gpus < world_size else {}
+
+
+# ----------------------------------------------------------------------------------------------- timing DDP steps
+
+
+def ratio_interval(numerator: list[float], denominator: list[float], **bootstrap) -> tuple[float, float]:
+    """The interval of median(numerator) / median(denominator) that both medians' bootstrap intervals allow."""
+    from helpers.measure.claims import median_interval
+
+    n_lo, n_hi = median_interval(numerator, **bootstrap)
+    d_lo, d_hi = median_interval(denominator, **bootstrap)
+    return n_lo / d_hi, n_hi / d_lo
+
+
+def _event_time(step, device) -> float:
+    """Seconds of one call of step(), after a barrier so that every rank starts together: CUDA events on a GPU
+    (the GPU's own clock), else wall time with the device idle at both ends."""
+    from helpers.measure.timing import timed
+
+    if device.type != "cuda":
+        return timed(step, device)[1]
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _digits_batch(batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `batch_size` training digits of this rank's share (rank r takes every world-th sample)."""
+    from helpers.data import load_digits
+
+    train = load_digits()[0]
+    index = torch.arange(dist.get_rank(), dist.get_rank() + batch_size * dist.get_world_size(),
+                         dist.get_world_size()) % len(train)
+    return train.x[index].to(device), train.y[index].to(device)
+
+
+def _variant_step(spec: dict, model_factory, x, y, device, seed: int):
+    """(the module, a function running one step of the variant) for one `step_times` variant."""
+    mode, ddp_kwargs, accum = spec.get("mode", "step"), spec.get("ddp", {}), spec.get("accum", 1)
+    torch.manual_seed(seed)
+    module = spec.get("factory", model_factory)().to(device)
+    model = module if ddp_kwargs is None else torch.nn.parallel.DistributedDataParallel(
+        module, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    grads = [p for p in module.parameters() if p.requires_grad]
+    flat = [torch.zeros(b // 4, device=device) for b in bucket_plan(module)]
+    world = dist.get_world_size()
+
+    def step():
+        optimizer.zero_grad()
+        if mode == "allreduce":
+            for t in flat:
+                dist.all_reduce(t)
+            return
+        for micro in range(accum):  # accum > 1: gradient accumulation, all-reduce on the last only
+            skip = mode in ("no_sync", "delayed") or micro < accum - 1
+            with model.no_sync() if skip else contextlib.nullcontext():
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+        if mode == "delayed":
+            buffer = torch.cat([p.grad.reshape(-1) for p in grads])
+            dist.all_reduce(buffer)
+            torch.nn.utils.vector_to_parameters(buffer / world, [p.grad for p in grads])
+        optimizer.step()
+
+    return module, step
+
+
+def _bucket_bytes(spec: dict, model_factory, x, y, device, seed: int) -> list[int]:
+    """The bytes of each bucket a fresh DDP copy of the variant reduces in its second iteration (comm hook)."""
+    torch.manual_seed(seed)
+    counted = torch.nn.parallel.DistributedDataParallel(
+        spec.get("factory", model_factory)().to(device), device_ids=[device.index] if device.type == "cuda" else None,
+        **spec.get("ddp", {}))
+    counter = CommCounter().register(counted)
+    for _ in range(2):  # the first iteration uses one bucket; the second, the rebuilt ones
+        counter.reset()
+        torch.nn.functional.cross_entropy(counted(x), y).backward()
+    return counter.bucket_bytes
+
+
+def step_times(model_factory, batch_size: int, variants: dict, repeats: int, seed: int = 0, warmup: int = 2) -> dict:
+    """A measurement worker (launch it; it joins the process group itself): times variants of one training step.
+
+    Why here and not in the notebook: the notebook shows the DDP lines (the wrapper, `no_sync`, `bucket_cap_mb`);
+    the timing loop, the bucket counting and the memory probe are book-keeping around them.
+
+    model_factory(): the module (built after `torch.manual_seed(seed)`, so every variant starts from the same
+    weights). variants[label] = {"ddp": DDP kwargs, or None for the plain module without DDP; "mode": "step"
+    (forward, backward, SGD step), "no_sync" (the same step with DDP's all-reduce skipped: compute only),
+    "delayed" (backward under no_sync, then one all-reduce of all gradients after it: Apex's
+    delay_all_reduce=True), or "allreduce" (only the all-reduces of DDP's buckets, no compute);
+    "accum": micro-batches per step (no_sync on all but the last); "factory": another model_factory;
+    "memory": also record the peak tensor bytes of one step; "count_buckets" (default True for DDP variants);
+    "group": variants of one group (default: all in one) are built together and timed in turn, repeat after
+    repeat, so that a load that comes and goes on a shared machine hits them alike (a ratio taken side by side);
+    groups are timed one after the other, each freed before the next is built (many large models: less memory)}.
+    Returns per label: "times" (seconds per repeat), "buckets" (bytes of each bucket DDP reduced in a step,
+    counted by a comm hook, from its second iteration), "peak_bytes", "params" (after every step ran; every
+    variant runs warmup + repeats steps, plus one with "memory").
+    """
+    from helpers.devices import default_backend, rank_device
+    from helpers.measure.activations import LiveTensorBytes
+
+    device = rank_device()
+    backend = default_backend()
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    try:
+        x, y = _digits_batch(batch_size, device)
+        out = {label: {"times": []} for label in variants}
+        groups: dict = {}
+        for label, spec in variants.items():
+            groups.setdefault(spec.get("group"), []).append(label)
+        for labels in groups.values():
+            built = {label: _variant_step(variants[label], model_factory, x, y, device, seed) for label in labels}
+            for _ in range(warmup):
+                for _, step in built.values():
+                    step()
+            for _ in range(repeats):
+                for label, (_, step) in built.items():
+                    out[label]["times"].append(_event_time(step, device))
+            for label, (module, step) in built.items():
+                spec = variants[label]
+                if spec.get("memory"):
+                    with LiveTensorBytes() as live:
+                        step()
+                    out[label]["peak_bytes"] = live.peak
+                out[label]["params"] = torch.nn.utils.parameters_to_vector(module.parameters()).detach().cpu()
+                if spec.get("ddp", {}) is not None and spec.get("count_buckets", True):
+                    out[label]["buckets"] = _bucket_bytes(spec, model_factory, x, y, device, seed)
+            del built
+            gc.collect()
+        return out
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------- data loading
+
+
+def loader_throughput(settings: dict, batch_size: int, batches: int, repeats: int) -> dict:
+    """A measurement worker (world size 1): samples per second each DataLoader setting delivers to this rank's
+    device, on the notebook's data (the digits as a TensorDataset), per repeat.
+
+    settings[label] = DataLoader keyword arguments (num_workers, pin_memory, prefetch_factor,
+    persistent_workers...). Each repeat iterates `batches` batches from a fresh iterator; with workers, their
+    start-up is part of a repeat only once (persistent workers), as in a training job's epochs. On a GPU each
+    batch is copied to it (non_blocking, which only overlaps when the memory is pinned).
+    """
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from helpers.data import digits_dataset, load_digits
+    from helpers.devices import rank_device
+
+    device = rank_device()
+    dataset = digits_dataset(load_digits()[0])
+    out = {}
+    for label, kwargs in settings.items():
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, **kwargs)
+        rates = []
+        for _ in range(repeats + 1):  # the first pass starts the workers: not timed
+            start, seen = time.perf_counter(), 0
+            for (x, y), _ in zip(loader, range(batches)):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                seen += len(y)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            rates.append(seen / (time.perf_counter() - start))
+        out[label] = rates[1:]
+        del loader
+        gc.collect()
+    return out
+
+
+def payload_counted(body, device, *args, **kwargs) -> dict:
+    """Run a worker body (`body(device, ...)`, as the script's `in_process_group` calls it) with a
+    `PayloadCounter` on: {"result": what it returned, "bytes": every byte it handed to dist.all_reduce}.
+
+    Why a wrapper: the body stays plain PyTorch; the counting wraps it from outside, in the worker's process.
+    """
+    with PayloadCounter() as wire:
+        result = body(device, *args, **kwargs)
+    return {"result": result, "bytes": wire.bytes}
+
+
+def percent_change(new_times: list[float], old_times: list[float]) -> tuple[float, tuple[float, float]]:
+    """100 x (median(new) / median(old) - 1): how much longer (or, for rates, larger) `new` is, in percent, with
+    the interval (in percent) that the two medians' bootstrap intervals allow. Pass 1/rate lists for speeds."""
+    import statistics
+
+    low, high = ratio_interval(new_times, old_times)
+    return 100 * (statistics.median(new_times) / statistics.median(old_times) - 1), (100 * (low - 1), 100 * (high - 1))
+
+
+def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, gpus: int, timeout: float) -> list:
+    """Per world size n: the medians of the DDP step, the same step under no_sync (compute only) and the
+    all-reduce of its buckets alone; samples/s; and the share of the all-reduce time hidden behind backward,
+    1 - (step - compute) / all-reduce (nan at n = 1). Where the largest n exceeds the GPUs every n runs on CPU
+    ranks with the GPUs hidden, so that T_n / (n T_1) compares one kind of device. Rows for
+    helpers.plots.training.scaling; "times" holds each variant's repeats, at n = 1 also the plain module's step
+    without DDP ("plain"), timed side by side: DDP's own overhead. Every rank's parameters agree (checked)."""
+    import statistics
+
+    from helpers.launcher import launch
+
+    rows = []
+    modes = {m: {"mode": m, "count_buckets": False} for m in ("step", "no_sync", "allreduce")}
+    for n in sizes:
+        variants = {**modes, "plain": {"ddp": None}} if n == 1 else modes
+        ranks = launch(step_times, model_factory, per_rank, variants, repeats, world_size=n, timeout=timeout,
+                       env=cpu_ranks_env(max(sizes), gpus))  # one device kind for every n: T_n / (n T_1) compares
+        if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
+            raise AssertionError(f"world size {n}: the replicas drifted apart")
+        t = {m: statistics.median(ranks[0][m]["times"]) for m in modes}
+        rows.append({"world_size": n, "samples_per_s": n * per_rank / t["step"], **t,
+                     "times": {m: r["times"] for m, r in ranks[0].items()},
+                     "rates": [n * per_rank / s for s in ranks[0]["step"]["times"]],
+                     "overlap": 1 - max(0.0, t["step"] - t["no_sync"]) / t["allreduce"] if n > 1 else float("nan")})
+    for r in rows:
+        r["efficiency"] = r["samples_per_s"] / (r["world_size"] * rows[0]["samples_per_s"])
+    return rows

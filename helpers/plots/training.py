@@ -4,6 +4,7 @@ Each function takes what the workers measured (plain lists and dicts) and return
 """
 from __future__ import annotations
 
+from helpers.measure.timing import summarize
 from helpers.plots import new_figure
 
 
@@ -54,9 +55,15 @@ def _cap_label(cap) -> str:
     return "default" if cap is None else f"{cap:g}"
 
 
+def _summary(times) -> dict:
+    """Step times as given: a list of seconds per repeat, or helpers.measure.timing.summarize of one."""
+    return times if isinstance(times, dict) else summarize(times)
+
+
 def bucket_sweep(rows: list[dict], predicted: list[int]):
     """Left: all-reduce calls per step, counted (dots) and predicted by DDP's greedy bucketing (line).
-    Right: step time with its interquartile range, and the same step with no all-reduce at all (no_sync)."""
+    Right: step time with its interquartile range, and the same step with no all-reduce at all (no_sync).
+    rows[i]: {"cap", "buckets" (bytes of each), "sync" and "local" (seconds per repeat, or their summary)}."""
     fig, (calls, times) = new_figure(2, width=5.2)
     x = list(range(len(rows)))
     labels = [_cap_label(r["cap"]) for r in rows]
@@ -65,9 +72,10 @@ def bucket_sweep(rows: list[dict], predicted: list[int]):
     calls.set_ylabel("all-reduce calls per step")
     calls.legend(fontsize=8)
     for key, label, colour in (("sync", "DDP step", "C1"), ("local", "same step under no_sync (no all-reduce)", "C2")):
-        med = [r[key]["median_s"] * 1e3 for r in rows]  # r[key]: helpers.measure.timing.summarize of the step times
-        low = [(r[key]["median_s"] - r[key]["q1_s"]) * 1e3 for r in rows]
-        high = [(r[key]["q3_s"] - r[key]["median_s"]) * 1e3 for r in rows]
+        stats = [_summary(r[key]) for r in rows]
+        med = [s["median_s"] * 1e3 for s in stats]
+        low = [(s["median_s"] - s["q1_s"]) * 1e3 for s in stats]
+        high = [(s["q3_s"] - s["median_s"]) * 1e3 for s in stats]
         times.errorbar(x, med, yerr=[low, high], marker="o", capsize=3, color=colour, label=label)
     times.set_ylabel("ms per step (median, IQR)")
     times.set_ylim(bottom=0)
@@ -79,9 +87,11 @@ def bucket_sweep(rows: list[dict], predicted: list[int]):
 
 
 def compression(rows: list[dict]):
-    """Bytes all-reduced per step, final test accuracy and median step time of each comm hook."""
+    """Bytes all-reduced per step and final test accuracy of each comm hook (and its median step time, where the
+    rows carry "step_s")."""
     rows = [r for r in rows if r.get("supported", True)]
-    fig, (sent, acc, step) = new_figure(3, width=4.0)
+    timed = all("step_s" in r for r in rows)
+    fig, (sent, acc, *step) = new_figure(3 if timed else 2, width=4.0)
     names = [r["method"] for r in rows]
     x = list(range(len(rows)))
     sent.bar(x, [r["bytes_per_step"] / 1e6 for r in rows], color="C0")
@@ -90,9 +100,10 @@ def compression(rows: list[dict]):
     acc.bar(x, [r["accuracy"] for r in rows], color="C2")
     acc.set_ylim(max(0.0, min(r["accuracy"] for r in rows) - 0.1), 1.0)
     acc.set_ylabel("final test accuracy")
-    step.bar(x, [r["step_s"] * 1e3 for r in rows], color="C1")
-    step.set_ylabel("median ms per step")
-    for ax in (sent, acc, step):
+    if timed:
+        step[0].bar(x, [r["step_s"] * 1e3 for r in rows], color="C1")
+        step[0].set_ylabel("median ms per step")
+    for ax in (sent, acc, *step):
         ax.set_xticks(x, names, rotation=30, ha="right")
     return fig
 
