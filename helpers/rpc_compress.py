@@ -10,6 +10,8 @@ feedback, and asserts that the bytes it counted match the arithmetic. The codecs
   so nothing is lost, only delayed: sum(sent) + residual == sum(gradients), exactly (up to float addition).
 
 A payload is a list with one self-describing entry per tensor, so the server decodes without knowing the codec.
+Each codec also answers `decode(payload)` and `nbytes(payload)`, so a worker that is handed a codec needs nothing
+else from this module (notebook 04's workers take the codec as an argument and import no helpers).
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ class DenseCodec:
     error at most 2**-11 for values in fp16's range)."""
 
     NAMES = {torch.float32: "fp32", torch.float16: "fp16"}
+    decode = staticmethod(decode)
+    nbytes = staticmethod(payload_bytes)
 
     def __init__(self, dtype: torch.dtype = torch.float32):
         if dtype not in self.NAMES:
@@ -65,6 +69,9 @@ class DenseCodec:
 
 class TopKCodec:
     """Send the k largest-magnitude entries of each gradient (int32 index + fp32 value); keep the rest as error."""
+
+    decode = staticmethod(decode)
+    nbytes = staticmethod(payload_bytes)
 
     def __init__(self, ratio: float, error_feedback: bool = True):
         if not 0 < ratio <= 1:

@@ -77,3 +77,56 @@ def test_amdahl_bound_and_verdicts():
     assert amp_bench.speedup_verdict(2.5, 2, 3, True, ceiling=4.0).count("(") == 0  # no excuse when it holds
     na = amp_bench.speedup_verdict(0.1, 2, 3, False, reason="no unit")
     assert na.startswith("not comparable here: no unit") and "no speed-up claimed" in na
+
+
+def test_speedup_verdict_passes_the_noise_through():
+    straddles = amp_bench.speedup_verdict(2.1, 2, 3, True, spread=(1.8, 2.4))
+    assert straddles.startswith("inconclusive") and "1.80-2.40x" in straddles
+    assert amp_bench.speedup_verdict(2.5, 2, 3, True, spread=(2.2, 2.8)).startswith("within")
+    assert amp_bench.speedup_verdict(1.0, 2, 3, False, spread=(0.9, 1.1), reason="a GPU claim").startswith(
+        "not comparable here: a GPU claim")
+
+
+def test_ratio_with_noise_brackets_the_median():
+    r = amp_bench.ratio_with_noise([1.0, 1.2, 1.1, 0.9, 1.3, 1.05])
+    assert r["low"] <= r["median"] <= r["high"] and r["median"] == pytest.approx(1.075)
+
+
+def test_fp32_matmul_precision_falls_back_to_allow_tf32(monkeypatch):
+    # A torch without the per-backend fp32_precision settings (as some builds are): the booleans are used.
+    class OldCuBLAS:
+        allow_tf32 = False
+
+    monkeypatch.setattr(torch.backends.cuda, "matmul", OldCuBLAS())
+    with amp_bench.fp32_matmul_precision("tf32"):
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def test_time_precisions_trains_every_mode_from_the_same_start():
+    torch.manual_seed(0)
+
+    def make_model():
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def get_batch(g):
+        x = torch.randn(32, 8, generator=g)
+        return x, (x[:, :4].argmax(dim=1))
+
+    def train_step(model, opt, scaler, x, y, dtype):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss.detach()
+
+    modes = {"fp32": {"dtype": torch.float32, "fp32_precision": "ieee"},
+             "bf16": {"dtype": torch.bfloat16, "fp32_precision": "ieee"}}
+    out = amp_bench.time_precisions(train_step, make_model, get_batch, modes, steps=4, warmup=1,
+                                    mlp_shape=(32, 8, 16), ceiling_n=32)
+    assert out["losses"]["fp32"][0] == pytest.approx(out["losses"]["bf16"][0], rel=0.05)  # same weights, batch
+    assert len(out["times"]["bf16"]) == 3 and out["ratios"]["fp32"] == [1.0] * 3
+    assert set(out["flops_square"]) == set(modes) and out["hardware"]["gpu"] is False
+    assert amp_bench.cudnn_benchmark_effect([8]) is None  # no cuDNN on a CPU

@@ -11,12 +11,13 @@ MODES = ["fp32", "tf32", "bf16", "fp16"]
 
 
 def test_precision_figures():
-    bench = {"losses": {m: [3.0, 2.5, 2.0] for m in MODES}, "speedup": dict.fromkeys(MODES, 1.0),
-             "ceiling_model": dict.fromkeys(MODES, 2.0), "ceiling_square": dict.fromkeys(MODES, 3.0),
-             "device_name": "test"}
-    fig = precision.precision_comparison(bench, MODES)
+    modes = MODES + ["bf16 + compile"]
+    bench = {"losses": {m: [3.0, 2.5, 2.0] for m in modes}, "flops_model": dict.fromkeys(MODES, 2.0),
+             "flops_square": dict.fromkeys(MODES, 3.0), "hardware": {"name": "test"}}
+    speedup = {m: {"median": 1.0, "low": 0.9, "high": 1.2} for m in modes}
+    fig = precision.precision_comparison(bench, speedup, modes)
     assert len(fig.axes) == 3
-    assert len(fig.axes[0].lines) == 4 and len(fig.axes[1].lines) == 4  # 3 differences + the zero line
+    assert len(fig.axes[0].lines) == 5 and len(fig.axes[1].lines) == 5  # 4 differences + the zero line
     log = [{"step": i, "scale": 2.0 ** (10 - i), "overflow": i < 2, "loss": 1.0} for i in range(5)]
     assert len(precision.scaler_trajectory(log, 3).axes) == 2
     ac = {"saved_bytes": {False: 4e6, True: 1e6}, "peak_bytes": {False: 5e6, True: 2e6},
@@ -25,8 +26,6 @@ def test_precision_figures():
     rows = [("DDP: all-reduce", "float32", 4e6), ("FSDP: all-gather", "bfloat16", 2e6)]
     fig = precision.collective_bytes(rows, "t")
     assert [p.get_width() for p in fig.axes[0].patches] == [4e6 / 2 ** 20, 2e6 / 2 ** 20]
-    sweep = [{"d_model": d, "speedup": 1.0 + d / 512, "ceiling": 4.0} for d in (128, 256, 512)]
-    assert len(precision.speedup_sweep(sweep).axes[0].lines) == 3  # speed-up, ceiling, 1x line
 
 
 def test_checkpoint_figures():

@@ -73,3 +73,11 @@ def test_make_codec_and_validation():
         DenseCodec(torch.int8)
     with pytest.raises(ValueError):
         decode([("zstd", torch.zeros(1))])
+
+
+def test_every_codec_decodes_and_counts_its_own_payload():
+    for spec in ("fp32", "fp16", "topk:0.1", "topk-noef:0.1"):
+        codec = make_codec(spec)
+        payload = codec.encode(grads(3))
+        assert codec.nbytes(payload) == payload_bytes(payload) == codec.expected_bytes(SHAPES)
+        assert all(torch.equal(a, b) for a, b in zip(codec.decode(payload), decode(payload)))

@@ -8,6 +8,7 @@ training step and compares the two. Everything here runs in a worker (it may tou
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import torch
@@ -65,28 +66,46 @@ def cpu_low_precision() -> dict:
     }
 
 
+def _tf32_settings() -> list[tuple[object, str]]:
+    """(settings object, attribute) pairs that choose TF32 or true fp32, whichever this torch has.
+
+    torch >= 2.9 has per-backend `fp32_precision` ("ieee" / "tf32") on `torch.backends.cuda.matmul` (cuBLAS),
+    `torch.backends.cudnn.conv` and `torch.backends.mkldnn.matmul` (oneDNN, CPU); older builds (and any build
+    that lacks one of them) have the boolean `allow_tf32` on `torch.backends.cuda.matmul` and `torch.backends.cudnn`.
+    """
+    found = []
+    cudnn_conv = getattr(torch.backends.cudnn, "conv", None)
+    for new_home, old_home in ((torch.backends.cuda.matmul, torch.backends.cuda.matmul),
+                               (cudnn_conv, torch.backends.cudnn)):
+        if new_home is not None and hasattr(new_home, "fp32_precision"):
+            found.append((new_home, "fp32_precision"))
+        elif hasattr(old_home, "allow_tf32"):
+            found.append((old_home, "allow_tf32"))
+    mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    if mkldnn_matmul is not None and hasattr(mkldnn_matmul, "fp32_precision"):
+        found.append((mkldnn_matmul, "fp32_precision"))
+    return found
+
+
 @contextlib.contextmanager
 def fp32_matmul_precision(precision: str):
-    """Run fp32 matmuls as 'ieee' (true fp32) or 'tf32', through the per-backend settings of PyTorch >= 2.9.
+    """Run fp32 matmuls as 'ieee' (true fp32) or 'tf32', with whichever setting this torch has.
 
     `torch.backends.cuda.matmul.fp32_precision` (cuBLAS) and `torch.backends.cudnn.conv.fp32_precision` replaced
-    `allow_tf32` and `torch.set_float32_matmul_precision('high')`; the oneDNN (CPU) setting is set alike so a CPU
-    run is asked for the same thing. The previous values are restored on exit.
+    `allow_tf32` and `torch.set_float32_matmul_precision('high')` in torch 2.9; where they are missing the
+    `allow_tf32` booleans are set instead. The previous values are restored on exit.
     """
     if precision not in ("ieee", "tf32"):
         raise ValueError(f"precision must be 'ieee' or 'tf32', not {precision!r}")
-    settings = [torch.backends.cuda.matmul, torch.backends.cudnn.conv]
-    mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
-    if mkldnn_matmul is not None:
-        settings.append(mkldnn_matmul)
-    old = [s.fp32_precision for s in settings]
+    settings = _tf32_settings()
+    old = [getattr(home, name) for home, name in settings]
     try:
-        for s in settings:
-            s.fp32_precision = precision
+        for home, name in settings:
+            setattr(home, name, precision if name == "fp32_precision" else precision == "tf32")
         yield
     finally:
-        for s, value in zip(settings, old):
-            s.fp32_precision = value
+        for (home, name), value in zip(settings, old):
+            setattr(home, name, value)
 
 
 def matmul_flops(device, configs: dict[str, tuple[torch.dtype, str]], m: int, k: int, n: int,
@@ -167,19 +186,160 @@ def amdahl_bound(matmul_speedup: float, memory_speedup: float = 2.0) -> float:
 
 
 def speedup_verdict(measured: float, claimed_low: float, claimed_high: float | None, supported: bool,
-                    ceiling: float | None = None, reason: str = "") -> str:
+                    ceiling: float | None = None, reason: str = "",
+                    spread: tuple[float, float] | None = None) -> str:
     """`claims.verdict` on a claimed speed-up (10% grace above a range's high end), followed by the measurement,
     the matmul ceiling measured in the same run, and what that ceiling says about a shortfall.
 
-    supported=False: the hardware lacks the format, the claim cannot apply here and no speed-up is claimed.
+    supported=False: the claim's setting is not this machine's (no unit for the format, or a CPU measured against
+    a GPU claim): 'not comparable here' with `reason`, and no speed-up is claimed. spread: the interval the
+    repeats allow (e.g. `claims.median_interval` of per-step ratios); it straddles an edge: 'inconclusive'.
     """
     grace = 0.1 * claimed_high if claimed_high is not None else 0.0
     text = claims.verdict(measured, claimed_low, claimed_high, slack=(0.0, grace), unit="x", applicable=supported,
-                          reason=reason or "no hardware for this format")
-    text += f"; measured {measured:.2f}x" + ("" if supported else ", no speed-up claimed")
+                          reason=reason or "no hardware for this format", spread=spread)
+    noise = f" (noise allows {min(spread):.2f}-{max(spread):.2f}x)" if spread is not None else ""
+    text += f"; measured {measured:.2f}x{noise}" + ("" if supported else ", no speed-up claimed")
     if ceiling is not None:
         text += f"; the matmul ceiling measured in the same run is {ceiling:.2f}x"
         if supported and text.startswith("below"):
             text += (" (the hardware's own matmul gain is below the claim)" if ceiling < claimed_low else
                      " (the matmuls could gain more: this step is not matmul-bound at this size)")
     return text
+
+
+# ---- The step-time benchmark: runs in a worker, wraps the notebook's plain training step from outside. ----
+
+def precision_device() -> torch.device:
+    """The device a one-rank benchmark runs on: this rank's GPU where there is one, else the CPU."""
+    import os
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def step_seconds(fn, device: torch.device) -> tuple[object, float]:
+    """(what `fn()` returned, its seconds): CUDA events on a GPU (the GPU's own clock: the time between two points
+    of its stream, whatever the CPU did meanwhile), the wall clock on a CPU; the device idle at both ends."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        result = fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return result, start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def ratio_with_noise(ratios) -> dict:
+    """{'median', 'low', 'high'}: the median of ratios taken side by side, and the bootstrap interval of it."""
+    low, high = claims.median_interval(ratios)
+    return {"median": statistics.median(ratios), "low": low, "high": high}
+
+
+def hardware_formats(device: torch.device) -> dict:
+    """Whether `device` computes in bf16, fp16 and TF32 natively (a unit for the format), and its name."""
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        return {"name": torch.cuda.get_device_name(device), "gpu": True, "capability": cap,
+                "bf16": cap >= (8, 0), "fp16": cap >= (7, 0), "tf32": cap >= (8, 0)}
+    c = cpu_low_precision()
+    return {"name": f"CPU {c['capability']}, {torch.get_num_threads()} threads", "gpu": False, "capability": None,
+            "bf16": c["bf16_hardware"], "fp16": c["fp16_hardware"], "tf32": False}
+
+
+def time_precisions(train_step, make_model, get_batch, modes: dict[str, dict], steps: int, warmup: int,
+                    mlp_shape: tuple[int, int, int], ceiling_n: int = 512, seed: int = 0) -> dict:
+    """Train one model per mode from the same weights on the same batches, steps interleaved, and time each step.
+
+    Runs in a worker. The notebook's plain pieces do the training: `make_model()` (on the CPU), `get_batch(g)`
+    -> (x, y) from a torch.Generator, `train_step(model, opt, scaler, x, y, dtype)` -> loss. Each mode is a
+    dict: `dtype` (the autocast dtype, float32 for none), `fp32_precision` ('ieee' or 'tf32'), optional
+    `compile` (torch.compile the model) and `empty_cache` (torch.cuda.empty_cache() after every step). fp16
+    gets a GradScaler. Interleaving (one step of every mode in turn) makes a noisy neighbour slow every mode
+    alike, so a per-step ratio against the first mode is a ratio taken side by side. The matmul throughput per
+    format is measured in the same process: the ceiling a step's speed-up is bounded by, at the model's MLP
+    shape `mlp_shape` (tokens, d, 4d) and at a large square (`ceiling_n`).
+    """
+    device = precision_device()
+    runs = {}
+    for name, mode in modes.items():
+        torch.manual_seed(seed)  # the same initial weights in every mode
+        model = make_model().to(device)
+        parameters = sum(p.numel() for p in model.parameters())
+        if mode.get("compile"):
+            model = torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+        scaler = torch.amp.GradScaler(device.type, enabled=mode["dtype"] == torch.float16)
+        runs[name] = {"model": model, "opt": opt, "scaler": scaler, "losses": [], "times": []}
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = (t.to(device) for t in get_batch(g))
+        for name, r in runs.items():
+            mode = modes[name]
+
+            def step():
+                loss = train_step(r["model"], r["opt"], r["scaler"], x, y, mode["dtype"])
+                if mode.get("empty_cache") and device.type == "cuda":
+                    torch.cuda.empty_cache()
+                return loss
+
+            with fp32_matmul_precision(mode["fp32_precision"]):
+                loss, seconds = step_seconds(step, device)
+            r["times"].append(seconds)
+            r["losses"].append(float(loss))
+    first = next(iter(modes))
+    times = {n: r["times"][warmup:] for n, r in runs.items()}
+    dtype_of = {n: (m["dtype"], m["fp32_precision"]) for n, m in modes.items()
+                if not m.get("compile") and not m.get("empty_cache")}
+    return {
+        "device": str(device), "hardware": hardware_formats(device), "parameters": parameters,
+        "losses": {n: r["losses"] for n, r in runs.items()}, "times": times,
+        "first_step_s": {n: r["times"][0] for n, r in runs.items()},
+        "ratios": {n: [a / b for a, b in zip(times[first], t)] for n, t in times.items()},
+        "flops_model": matmul_flops(device, dtype_of, *mlp_shape),
+        "flops_square": matmul_flops(device, dtype_of, ceiling_n, ceiling_n, ceiling_n),
+        "errors": {n: matmul_error(device, dt, n=256, precision=p) for n, (dt, p) in dtype_of.items()},
+    }
+
+
+def cudnn_benchmark_effect(shapes: list[int], repeats: int = 20, channels: int = 64, batch: int = 32) -> dict | None:
+    """What `torch.backends.cudnn.benchmark = True` does to a small conv net's training step, on a GPU.
+
+    With benchmark on, cuDNN times several algorithms the first time it meets an input shape and keeps the
+    fastest: the first step at a new shape pays that search, later steps at that shape may be faster. So it
+    helps a fixed input shape and harms when shapes keep changing (variable image sizes or sequence lengths),
+    where every new shape pays the search again. Returns None on a CPU (cuDNN is a CUDA library: the flag does
+    nothing there). For each setting: the first step at each shape, and the median of `repeats` steps at the
+    first shape.
+    """
+    device = precision_device()
+    if device.type != "cuda":
+        return None
+    out = {}
+    old = torch.backends.cudnn.benchmark
+    try:
+        for bench in (False, True):
+            torch.backends.cudnn.benchmark = bench
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Conv2d(3, channels, 3, padding=1), torch.nn.ReLU(),
+                                      torch.nn.Conv2d(channels, channels, 3, padding=1), torch.nn.ReLU(),
+                                      torch.nn.Conv2d(channels, 3, 3, padding=1)).to(device)
+
+            def step(x):
+                net(x).square().mean().backward()
+
+            first = []
+            for size in shapes:  # a new shape each time: the search, if any, is paid here
+                x = torch.randn(batch, 3, size, size, device=device)
+                first.append(step_seconds(lambda: step(x), device)[1])
+            x = torch.randn(batch, 3, shapes[0], shapes[0], device=device)
+            steady = [step_seconds(lambda: step(x), device)[1] for _ in range(repeats)]
+            out[bench] = {"first_s": first, "steady_s": steady, "steady_median_s": statistics.median(steady)}
+    finally:
+        torch.backends.cudnn.benchmark = old
+    return out

@@ -30,16 +30,20 @@ def scaler_trajectory(log: list[dict], growth_interval: int):
     return fig
 
 
-def precision_comparison(result: dict, modes: list[str]):
-    """Loss curves of each precision from the same start, their distance from fp32, and step speed-up against
-    the matmul ceilings measured in the same run."""
+def precision_comparison(bench: dict, speedup: dict[str, dict], modes: list[str]):
+    """Loss curves of each precision from the same start, their distance from fp32, and each mode's step speed-up
+    (median of per-step ratios, with its interval as an error bar) beside the matmul ceilings of the same run.
+
+    bench: what `helpers.measure.precision.time_precisions` returned; speedup[mode] = {'median', 'low', 'high'}.
+    A mode named 'bf16 + compile' is drawn against the ceiling of 'bf16'.
+    """
     fig, (ax_loss, ax_diff, ax_speed) = new_figure(3, width=4.6)
     for mode in modes:
-        losses = result["losses"][mode]
-        style = {"label": mode, "color": MODE_COLORS.get(mode), "linestyle": "--" if mode == "tf32" else "-"}
+        losses = bench["losses"][mode]
+        style = {"label": mode, "color": MODE_COLORS.get(mode), "linestyle": "-" if mode in MODE_COLORS else ":"}
         ax_loss.plot(range(1, len(losses) + 1), losses, alpha=0.9, **style)
         if mode != "fp32":
-            diff = [a - b for a, b in zip(losses, result["losses"]["fp32"])]
+            diff = [a - b for a, b in zip(losses, bench["losses"]["fp32"])]
             ax_diff.plot(range(1, len(diff) + 1), diff, **style)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("training loss")
@@ -53,20 +57,23 @@ def precision_comparison(result: dict, modes: list[str]):
 
     x = range(len(modes))
     width = 0.27
-    speed = [result["speedup"][m] for m in modes]
-    shape = [result["ceiling_model"][m] for m in modes]
-    square = [result["ceiling_square"][m] for m in modes]
-    ax_speed.bar([i - width for i in x], speed, width, label="training step (median)",
-                 color=[MODE_COLORS.get(m) for m in modes])
+    base = [m.split(" + ")[0] for m in modes]
+    med = [speedup[m]["median"] for m in modes]
+    err = [[med[i] - speedup[m]["low"] for i, m in enumerate(modes)],
+           [speedup[m]["high"] - med[i] for i, m in enumerate(modes)]]
+    shape = [bench["flops_model"][b] / bench["flops_model"]["fp32"] for b in base]
+    square = [bench["flops_square"][b] / bench["flops_square"]["fp32"] for b in base]
+    ax_speed.bar([i - width for i in x], med, width, yerr=err, capsize=3, label="training step (median, interval)",
+                 color=[MODE_COLORS.get(b) for b in base])
     ax_speed.bar(list(x), shape, width, label="matmul, the model's MLP shape", color="lightgray",
                  edgecolor="black")
     ax_speed.bar([i + width for i in x], square, width, label="matmul, large square", color="white",
                  edgecolor="black", hatch="//")
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
-    ax_speed.set_xticks(list(x), modes)
+    ax_speed.set_xticks(list(x), [m.replace(" + ", "\n+ ") for m in modes], fontsize=8)
     ax_speed.set_yscale("log")
     ax_speed.set_ylabel("speed-up over fp32 (log scale)")
-    ax_speed.set_title(result["device_name"], fontsize=10)
+    ax_speed.set_title(bench["hardware"]["name"], fontsize=10)
     ax_speed.legend(fontsize=7)
     return fig
 
@@ -83,7 +90,7 @@ def activation_checkpointing(result: dict):
     ax_mem.bar([0 + 0.2, 1 + 0.2], peak, 0.4, label=result["peak_label"], color="tab:purple")
     ax_mem.set_xticks([0, 1], labels)
     ax_mem.set_ylabel("MiB")
-    ax_mem.set_title(f"TinyGPT, {result['n_layers']} blocks")
+    ax_mem.set_title(f"GPT, {result['n_layers']} blocks")
     ax_mem.legend(fontsize=8)
     times = [result["step_ms"][k] for k in keys]
     ax_time.bar([0, 1], times, 0.5, color=["tab:gray", "tab:red"])
@@ -105,20 +112,4 @@ def collective_bytes(rows: list[tuple[str, str, float]], title: str):
     ax.invert_yaxis()
     ax.set_xlabel("MiB per step, per rank")
     ax.set_title(title)
-    return fig
-
-
-def speedup_sweep(rows: list[dict]):
-    """bf16 autocast's step speed-up over fp32 against model width, beside the matmul ceiling at each width."""
-    fig, (ax,) = new_figure(1, width=6.0, height=3.4)
-    d = [r["d_model"] for r in rows]
-    ax.plot(d, [r["speedup"] for r in rows], "o-", color=MODE_COLORS["bf16"], label="training step (median)")
-    ax.plot(d, [r["ceiling"] for r in rows], "s--", color="black", label="matmul ceiling at the MLP shape")
-    ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(d, [str(v) for v in d])
-    ax.set_xlabel("d_model")
-    ax.set_ylabel("bf16 speed-up over fp32")
-    ax.set_title("the gain grows as matmuls dominate the step")
-    ax.legend(fontsize=8)
     return fig
