@@ -21,11 +21,10 @@ from helpers.paths import SCRIPTS
 
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.
 SMOKE_ARGS: dict[str, list[str]] = {
-    "--heads", "2"],
     "collectives.py": ["--elements-per-rank", "1000"],
     "hello_distributed.py": [],
     "rpc_parameter_server.py": ["--steps", "10", "--hidden", "32", "--depth", "1", "--samples", "500"],
-    "train_amp.py": ["--steps", "4", "--batch", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1",
+    "train_amp.py": ["--steps", "4", "--batch", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2"],
     "train_ddp.py": ["--epochs", "1", "--hidden", "64", "--depth", "2", "--checkpoint", "digits_mlp.pt"],
 }
 RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "5"))
