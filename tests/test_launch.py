@@ -635,3 +635,19 @@ def test_a_rank_that_aborts_shows_its_last_stderr_lines_even_when_quiet():
     assert message.startswith("rank 1 died: killed by signal SIGABRT"), message
     assert "gloo::EnforceNotMet" in message, "the abort's own message is in the error"
     assert "Fatal Python error: Aborted" in message and "in work" in message, "faulthandler shows where"
+
+
+def test_a_cells_class_can_be_pickled_by_name_in_the_workers():
+    """torch.distributed.rpc pickles a cell's class as `__main__.Name`: the worker's __main__ must have it."""
+    import subprocess
+
+    kernel = subprocess.run(
+        [sys.executable, "-c",
+         "import pickle, helpers\n"
+         "class Counter:\n"
+         "    pass\n"
+         "def work():\n"
+         "    return len(pickle.dumps(Counter())) > 0 and pickle.loads(pickle.dumps(Counter)) is Counter\n"
+         "print(helpers.launch(work, world_size=2, timeout=120))\n"],
+        capture_output=True, text=True, timeout=300)
+    assert kernel.stdout.strip().splitlines()[-1] == "[True, True]", kernel.stdout + kernel.stderr

@@ -137,6 +137,21 @@ def _call_keeping_locals(fn, args, kwargs, kept: list):
         sys.setprofile(previous)  # a builtin fn makes no Python call: the hook must not outlive it
 
 
+def _publish_in_main(fn) -> None:
+    """Give this process's __main__ the cell globals fn uses (functions, classes), as a fork of the kernel had.
+
+    Why: cloudpickle rebuilds a cell's function and what it references by value, but libraries that pickle by
+    *name* (torch.distributed.rpc sends `__main__.Counter`, multiprocessing pickles `__main__.f`) look the name up
+    in the receiving process's __main__, where it would otherwise not exist.
+    """
+    if getattr(fn, "__module__", None) != "__main__" or not hasattr(fn, "__globals__"):
+        return
+    main = sys.modules["__main__"].__dict__
+    for name, value in fn.__globals__.items():
+        if not name.startswith("__"):
+            main.setdefault(name, value)
+
+
 def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, command_fd: int | None = None) -> None:
     """Entry point of every worker (forked by the server, or spawned). Never returns: ends with os._exit."""
     exit_code = 1
@@ -183,6 +198,7 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
 
         with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
             fn, args, kwargs = cloudpickle.load(f)
+        _publish_in_main(fn)
     except BaseException as exc:  # noqa: BLE001 - a broken start must still be reported
         _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
         report_outcome("error")
