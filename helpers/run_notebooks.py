@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers.paths import NOTEBOOKS, OUTPUTS, REPO_ROOT
+from helpers.paths import NOTEBOOKS, OUTPUTS
 
 
 def notebook_paths() -> list[Path]:

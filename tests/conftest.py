@@ -5,8 +5,11 @@ kernel); its workers are not. It is started before the first test, so no launch'
 stopped after the last one."""
 from __future__ import annotations
 
+import _thread
+import contextlib
 import os
 import signal
+import threading
 
 import psutil
 import pytest
@@ -57,3 +60,21 @@ def launcher_leaves_kernel_as_it_was(request):
     yield
     assert {s: signal.getsignal(s) for s in WATCHED_SIGNALS} == handlers_before, "signal handlers changed"
     assert _environment() == env_before, "the kernel's environment changed"
+
+
+@contextlib.contextmanager
+def cell_interrupted_after(seconds: float):
+    """What Jupyter's interrupt button does to the kernel, `seconds` into the block.
+
+    A kernel turns SIGINT into KeyboardInterrupt; a test runner started in the background may have inherited
+    SIGINT as ignored, and then interrupt_main() does nothing. The block gets the kernel's handler.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(seconds, _thread.interrupt_main)
+    try:
+        timer.start()
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGINT, previous)

@@ -1,7 +1,6 @@
 """Unit tests of the small foundation helpers: each checks a closed form or an exact round trip."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess

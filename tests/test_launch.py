@@ -3,7 +3,6 @@
 The fork-server may outlive a test (conftest knows it); its workers may not."""
 from __future__ import annotations
 
-import _thread
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ import threading
 import time
 
 import pytest
+from conftest import cell_interrupted_after
 import torch
 import torch.distributed as dist
 
@@ -19,7 +19,7 @@ import helpers
 from helpers import devices
 from helpers.launcher import api as launch_module
 from helpers.launcher import server as server_module
-from helpers.launcher.api import ExitHangWarning, LaunchTimeout, WorkerError, launch
+from helpers.launcher import ExitHangWarning, LaunchTimeout, WorkerError, launch
 from helpers.launcher.progress import RUN_DIR_VAR
 
 
@@ -230,19 +230,9 @@ def test_interrupting_the_cell_stops_every_worker_and_the_next_launch_works():
     def hang():
         time.sleep(600)
 
-    # A kernel turns SIGINT into KeyboardInterrupt; a test runner started in the background may have inherited
-    # SIGINT as ignored, and then interrupt_main() does nothing. Give this test the kernel's handler.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(1.5, _thread.interrupt_main)
-    try:
-        timer.start()
-        start = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            launch(hang, world_size=2, timeout=30)
-    finally:
-        timer.cancel()
-        timer.join()
-        signal.signal(signal.SIGINT, previous)
+    start = time.monotonic()
+    with cell_interrupted_after(1.5), pytest.raises(KeyboardInterrupt):
+        launch(hang, world_size=2, timeout=30)
     assert time.monotonic() - start < 25
     assert not [p for p in psutil_children() if p.pid != _server_pid()]
     assert launch(lambda: os.environ["RANK"], world_size=2, timeout=60) == ["0", "1"]

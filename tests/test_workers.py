@@ -2,14 +2,12 @@
 promises (root cause, stacks at a timeout, no process left) kept too."""
 from __future__ import annotations
 
-import _thread
 import os
-import signal
-import threading
 import time
 
 import psutil
 import pytest
+from conftest import cell_interrupted_after
 import torch
 import torch.distributed as dist
 
@@ -122,16 +120,8 @@ def test_an_interrupted_cell_interrupts_the_ranks_which_stay(workers):
     def long_sleep():
         time.sleep(600)
 
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(1.5, _thread.interrupt_main)
-    try:
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            workers.run(long_sleep)
-    finally:
-        timer.cancel()
-        timer.join()
-        signal.signal(signal.SIGINT, previous)
+    with cell_interrupted_after(1.5), pytest.raises(KeyboardInterrupt):
+        workers.run(long_sleep)
     assert workers.alive and workers.run(lambda: "still here") == ["still here", "still here"]
 
 

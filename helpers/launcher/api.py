@@ -30,8 +30,6 @@ import tempfile
 import uuid
 
 from helpers import devices
-from helpers.launcher.errors import (ExitHangWarning, LaunchTimeout, RankFailure, WorkerError,  # noqa: F401
-                                     root_cause)
 from helpers.launcher.output import RankStream
 from helpers.launcher.progress import RUN_DIR_VAR, ProgressDisplay
 from helpers.launcher.rendezvous import loopback_environment

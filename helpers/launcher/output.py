@@ -13,6 +13,21 @@ import os
 TAIL_BYTES = 64 << 10
 
 
+def read_available(fd: int) -> tuple[bytes, bool]:
+    """What a non-blocking pipe holds now, and whether it is still open (False once every writer closed it)."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return b"".join(chunks), True
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return b"".join(chunks), False
+        chunks.append(chunk)
+
+
 class RankStream:
     """One rank's stdout or stderr: reads its pipe without blocking, writes complete prefixed lines."""
 
@@ -26,20 +41,12 @@ class RankStream:
 
     def pump(self) -> None:
         """Read what the pipe holds now; write the complete lines."""
-        chunks = []
-        while not self.closed:
-            try:
-                chunk = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                break
-            except OSError:
-                chunk = b""
-            if not chunk:  # every writer has closed it: the rank (and anything it started) is gone
-                self.closed = True
-                break
-            chunks.append(chunk)
-        if chunks:
-            self._emit(b"".join(chunks))
+        if self.closed:
+            return
+        data, still_open = read_available(self.fd)
+        self.closed = not still_open  # every writer has closed it: the rank (and anything it started) is gone
+        if data:
+            self._emit(data)
 
     def finish(self) -> None:
         """Read the rest and write the last partial line; close the pipe."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from helpers.launcher.errors import (ExitHangWarning, LaunchTimeout, RankFailure, WorkerError, annotate_stack,
                                      exit_message, root_cause)
-from helpers.launcher.output import RankStream
+from helpers.launcher.output import RankStream, read_available
 from helpers.launcher.progress import ProgressDisplay, parse_line
 from helpers.launcher.sessions import stop_sessions
 from helpers.launcher.worker import STACK_SIGNAL
@@ -164,18 +164,8 @@ class Supervision:
 
     def _read_progress(self, slot: RankSlot) -> bool:
         """Take in the progress lines waiting on the rank's pipe; False once the pipe is closed."""
-        open_ = True
-        while True:
-            try:
-                chunk = os.read(slot.progress_fd, 1 << 16)
-            except BlockingIOError:
-                break
-            except OSError:
-                chunk = b""
-            if not chunk:
-                open_ = False
-                break
-            slot.progress_partial += chunk
+        data, open_ = read_available(slot.progress_fd)
+        slot.progress_partial += data
         *lines, slot.progress_partial = slot.progress_partial.split(b"\n")
         changed = False
         for line in lines:

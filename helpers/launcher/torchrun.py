@@ -17,7 +17,6 @@ import inspect
 import os
 import queue
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
