@@ -115,3 +115,27 @@ def test_digits_mlp_shapes():
     m = models.DigitsMLP(hidden=32, depth=3)
     assert m(torch.zeros(5, 64)).shape == (5, 10)
     assert models.count_parameters(m) == 64 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 10 + 10
+
+
+def test_each_ranks_lines_also_go_to_its_own_panel():
+    import io
+
+    from helpers.launcher.output import RankPanels, RankStream
+
+    panels = RankPanels(2)
+    merged = io.StringIO()
+    streams = {}
+    for rank in (0, 1):
+        read, write = os.pipe()
+        streams[rank] = (RankStream(read, rank, merged, keep_tail=rank == 1, panels=panels), write)
+    panels.shown = True  # no front end in a test: skip IPython's display
+    os.write(streams[0][1], b"step 1\nstep 2\n")
+    os.write(streams[1][1], b"warning from rank 1\n")
+    for stream, write in streams.values():
+        os.close(write)
+        stream.finish()
+    assert merged.getvalue() == "[rank 0] step 1\n[rank 0] step 2\n[rank 1] warning from rank 1\n"
+    rank0 = "".join(o["text"] for o in panels.outputs[0].outputs)
+    rank1 = [(o["name"], o["text"]) for o in panels.outputs[1].outputs]
+    assert rank0 == "step 1\nstep 2\n" and rank1 == [("stderr", "warning from rank 1\n")]
+    assert [panels.widget.get_title(r) for r in (0, 1)] == ["rank 0", "rank 1"]

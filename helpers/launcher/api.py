@@ -30,7 +30,7 @@ import tempfile
 import uuid
 
 from helpers import devices
-from helpers.launcher.output import RankStream
+from helpers.launcher.output import RankPanels, RankStream
 from helpers.launcher.progress import RUN_DIR_VAR, ProgressDisplay
 from helpers.launcher.rendezvous import loopback_environment
 from helpers.launcher.sessions import stop_sessions
@@ -206,8 +206,10 @@ def _start(supervision: Supervision, method: str, world_size: int, user_env: dic
         for fds in theirs.values():
             for fd in fds:
                 os.close(fd)
+    panels = None if out_stream is not sys.stdout else RankPanels.for_this_kernel(world_size)  # none when quiet
     for rank, worker in sorted(workers.items()):
         (out_r, _), (err_r, _), (progress_r, _) = pipes[rank]
         os.set_blocking(progress_r, False)
-        supervision.slots.append(RankSlot(rank, worker, RankStream(out_r, rank, out_stream),
-                                          RankStream(err_r, rank, err_stream, keep_tail=True), progress_r))
+        supervision.slots.append(RankSlot(rank, worker, RankStream(out_r, rank, out_stream, panels=panels),
+                                          RankStream(err_r, rank, err_stream, keep_tail=True, panels=panels),
+                                          progress_r))
