@@ -1,8 +1,8 @@
 """The standalone scripts in scripts/: made of their notebooks' cells, free of `helpers`, and clean under torchrun.
 
 Each script runs under `torchrun --standalone --nproc-per-node=2` from an empty directory where `import helpers`
-fails, several times in a row with every core kept busy by other processes: a recipe that crashes at exit
-("terminate called without an active exception") one run in three must not pass by luck.
+fails, RUNS times at once so that every core is busy: a recipe that crashes at exit ("terminate called without
+an active exception") one run in three must not pass by luck.
 """
 from __future__ import annotations
 
@@ -55,35 +55,33 @@ def test_every_script_has_smoke_arguments():
     assert sorted(p.name for p in _scripts()) == sorted(SMOKE_ARGS)
 
 
-class _BusyCores:
-    """One spinning process per core for the duration of a block, stopped and reaped afterwards."""
-
-    def __enter__(self):
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
-        return self
-
-    def __exit__(self, *exc):
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
-
-
 @pytest.mark.parametrize("name", sorted(SMOKE_ARGS))
 def test_a_script_runs_cleanly_under_torchrun_without_helpers_every_time(name: str, tmp_path: Path):
-    shutil.copy(SCRIPTS / name, tmp_path / name)
+    """RUNS torchrun jobs of the script at once, each in a directory of its own: the cores are busy with each
+    other's ranks (2 x RUNS processes on this machine's few cores), which is when an exit crash shows."""
     blocker = tmp_path / "no_helpers"
     blocker.mkdir()
     (blocker / "helpers.py").write_text("raise ImportError('a standalone script must not import helpers')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COOKBOOK_", "PYTHON"))}
     env["PYTHONPATH"] = str(blocker)  # ahead of site-packages, where the editable install would find helpers
     command = [torchrun_path(), "--standalone", "--nproc-per-node=2", name, *SMOKE_ARGS[name]]
-    with _BusyCores():
-        for attempt in range(1, RUNS + 1):
-            run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                                 timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
-            output = run.stdout + run.stderr
-            assert run.returncode == 0, f"run {attempt}/{RUNS} of {name} failed:\n{output[-4000:]}"
-            assert "terminate called" not in output, f"run {attempt}/{RUNS} of {name} aborted at exit:\n{output}"
-            summaries = [line for line in run.stdout.splitlines() if line.startswith("summary:")]
-            assert len(summaries) == 1, f"run {attempt}/{RUNS}: want one 'summary:' line, got:\n{run.stdout}"
+    runs = []
+    for attempt in range(1, RUNS + 1):
+        workdir = tmp_path / f"run{attempt}"
+        workdir.mkdir()
+        shutil.copy(SCRIPTS / name, workdir / name)
+        runs.append(subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, stdin=subprocess.DEVNULL, start_new_session=True))
+    try:
+        outputs = [run.communicate(timeout=RUN_TIMEOUT_S) for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                os.killpg(run.pid, 9)
+                run.wait()
+    for attempt, (run, (stdout, stderr)) in enumerate(zip(runs, outputs), start=1):
+        output = stdout + stderr
+        assert run.returncode == 0, f"run {attempt}/{RUNS} of {name} failed:\n{output[-4000:]}"
+        assert "terminate called" not in output, f"run {attempt}/{RUNS} of {name} aborted at exit:\n{output}"
+        summaries = [line for line in stdout.splitlines() if line.startswith("summary:")]
+        assert len(summaries) == 1, f"run {attempt}/{RUNS}: want one 'summary:' line, got:\n{stdout}"
