@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, measured_idle_fraction, orders_from_log,
-                                      replay)
+from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, measured_idle_fraction, orders_from_ir,
+                                      orders_from_log, replay)
 
 
 def gpipe(p: int, m: int) -> dict:
@@ -71,3 +71,10 @@ def test_live_saved_bytes_peak_and_release():
             loss.backward()
     assert held == 3 * 256 * 4 and meter.peak == held
     assert meter.current == 0, "backward released what it used"
+
+
+def test_orders_from_the_schedules_ir_keep_forwards_and_backwards():
+    ir = {0: ["0F0", None, "0F1", "0B0", "0B1", "0REDUCE_GRAD"], 1: [None, "1F0", "1B0", "1F1", "1B1"]}
+    assert orders_from_ir(ir) == {0: [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)],
+                                  1: [(1, "F", 0), (1, "B", 0), (1, "F", 1), (1, "B", 1)]}
+    assert replay(orders_from_ir(ir))["idle_fraction"] == bubble_formula(2, 2)

@@ -94,6 +94,19 @@ def orders_from_log(logs: dict[int, list[tuple]]) -> dict[int, list[Action]]:
     return {r: [(s, k, mb) for s, k, mb, *_ in sorted(log, key=lambda e: e[3])] for r, log in logs.items()}
 
 
+def orders_from_ir(pipeline_order: dict[int, list]) -> dict[int, list[Action]]:
+    """A schedule's own IR (`schedule.pipeline_order`: {rank: [action or None]}, actions printed like '0F1' or
+    '1B0') -> {rank: [(stage, kind, mb)]}, keeping forwards and full backwards, dropping idle slots and the rest."""
+    import re
+
+    pattern = re.compile(r"^(\d+)(F|B)(\d+)$")
+    orders = {}
+    for rank, actions in pipeline_order.items():
+        parsed = [pattern.match(str(a)) for a in actions if a is not None]
+        orders[int(rank)] = [(int(m[1]), m[2], int(m[3])) for m in parsed if m]
+    return orders
+
+
 def measured_idle_fraction(logs: dict[int, list[tuple]]) -> float:
     """1 - (time the ranks spent in forward/backward) / (ranks x the step's wall time, first start to last end)."""
     events = [e for log in logs.values() for e in log]
