@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch.distributed as dist
 
 import helpers
 from helpers.measure import collectives as bench
@@ -98,6 +99,56 @@ def test_time_collective_on_two_ranks():
         assert r["timing"].startswith("first start to last end")
 
 
+def test_single_tensor_collectives_fall_back_to_the_older_names(monkeypatch):
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    assert bench.single_tensor_collectives() == (dist.all_gather_into_tensor, dist.reduce_scatter_tensor)
+
+
+def _without_the_213_names_worker(sizes):
+    import torch.distributed as dist
+
+    for name in ("all_gather_single", "reduce_scatter_single"):  # as in torch 2.11
+        if hasattr(dist, name):
+            delattr(dist, name)
+    dist.init_process_group(backend="gloo")
+    records = [r for name in ("all_gather", "reduce_scatter") for r in bench.time_collective(name, sizes, warmup=1,
+                                                                                             repeats=2)]
+    dist.destroy_process_group()
+    return records
+
+
+def test_time_collective_works_without_all_gather_single():
+    records = helpers.launch(_without_the_213_names_worker, [1 << 12], world_size=2, timeout=120, quiet=True)[0]
+    assert [r["collective"] for r in records] == ["all_gather", "reduce_scatter"] and all(r["checked"] for r in records)
+
+
+def test_sweep_worker_measures_every_collective_and_the_ceilings():
+    results = helpers.launch(bench.sweep_worker, [1 << 10, 1 << 14], 1, 2, world_size=2, timeout=180, quiet=True)
+    assert results[0]["records"] == results[1]["records"] and results[1]["ceilings"] is None
+    assert [r["collective"] for r in results[0]["records"]] == [c for c in bench.COLLECTIVES for _ in range(2)]
+    assert set(results[0]["ceilings"]) == {"tcp", "memcpy", "tcp_latency"}
+    assert all(c["of_runs"] == 2 for c in results[0]["ceilings"].values())
+
+
+def test_intra_op_threads_worker_times_every_count_every_round():
+    results = helpers.launch(bench.intra_op_threads_worker, (1, 2), 256, 3, 5, 2, world_size=2, timeout=180,
+                             quiet=True, start_method="spawn")
+    assert results[0] == results[1]
+    assert sorted(results[0]["times_s"]) == [1, 2] and all(len(t) == 3 and min(t) > 0
+                                                           for t in results[0]["times_s"].values())
+
+
+def test_transport_facts_reads_this_machine():
+    facts = bench.transport_facts()
+    assert set(facts) == {"tcp_rmem", "rmem_max", "infiniband", "numa_nodes", "numactl", "cores"}
+    assert facts["tcp_rmem"] is None or len(facts["tcp_rmem"]) == 3
+
+
+def test_human_bytes():
+    assert [bench.human_bytes(v) for v in (512, 1024, 1536, 1 << 30)] == ["512 B", "1 KiB", "1.5 KiB", "1 GiB"]
+
+
 def _broken_check_worker():
     import torch.distributed as dist
 
@@ -127,3 +178,45 @@ def _span_worker():
 def test_per_call_time_is_first_start_to_last_end_on_one_host():
     for times, how in helpers.launch(_span_worker, world_size=2, timeout=60, quiet=True):
         assert times == [2.0, 1.0] and "one host" in how
+
+
+def _record(collective, size, times, factor=1.0, world_size=2, device="cpu", backend="gloo"):
+    from helpers.measure.timing import summarize
+
+    stats = summarize(times)
+    return {"collective": collective, "backend": backend, "device": device, "world_size": world_size,
+            "size_bytes": size, "factor": factor, "times_s": list(times), **stats,
+            "algbw": size / stats["median_s"], "busbw": size / stats["median_s"] * factor, "cores": 2,
+            "oversubscribed": False, "checked": True}
+
+
+def test_reading_helpers_carry_the_spread_of_the_repeats():
+    rows = [_record("all_reduce", 1000, [1e-3, 2e-3, 4e-3]), _record("all_reduce", 10**6, [1e-3, 1e-3, 2e-3])]
+    share, (low, high) = bench.share_of_peak(rows)
+    assert share == pytest.approx(100 * (1000 / 2e-3) / 1e9) and low < share < high
+    assert high == pytest.approx(100 * (1000 / 1e-3) / 1e9)
+    copy = {"size_bytes": 10**6, "median_s": 5e-4, "min_s": 4e-4, "max_s": 1e-3}
+    ratio, (low, high) = bench.ratio_to_ceiling(rows[1], copy)
+    assert ratio == pytest.approx(0.5) and low == pytest.approx(0.2) and high == pytest.approx(1.0)
+    figures = bench.latency_and_bandwidth(rows)
+    latency, (lat_low, lat_high) = figures["latency_ms"]
+    assert latency == pytest.approx(2.0) and lat_low <= latency <= lat_high
+    bandwidth, (bw_low, bw_high) = figures["bandwidth_GBps"]
+    assert bandwidth == pytest.approx(1.0) and bw_low <= bandwidth <= bw_high and "2 ranks" in figures["context"]
+
+
+def test_one_gpu_report_says_what_one_gpu_cannot_show():
+    copy = {"name": "cuda memory copy", "kind": "bandwidth", "size_bytes": 1 << 30, "rate": 1e12, "median_s": 1e-3,
+            "q1_s": 1e-3, "q3_s": 1e-3, "times_s": [1e-3], "counts": "S/t"}
+    alone = {"records": [_record("all_reduce", 1024, [2e-5], factor=0.0, world_size=1, device="cuda",
+                                 backend="nccl")], "ceilings": {"device_copy": copy}}
+    shared = {"records": [_record("all_reduce", 1024, [1e-3], device="cuda")]}
+    text = bench.one_gpu_report(alone, shared, 2)
+    assert "20.0 us" in text and "1000 GB/s" in text and "cannot show" in text and "gloo on CPU (2 ranks)" in text
+
+
+def test_detail_cost_worker_compares_checked_and_unchecked_groups():
+    results = helpers.launch(bench.detail_cost_worker, 3, 5, world_size=2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+                             timeout=120, quiet=True)
+    assert all(r["debug_level"] == "DebugLevel.DETAIL" and len(r["ratios"]) == 3 and min(r["ratios"]) > 0
+               for r in results)

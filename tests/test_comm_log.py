@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.measure.collectives import single_tensor_collectives
 from helpers.measure.comm_log import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Collective, CollectiveLog
 
 
@@ -18,17 +19,24 @@ def one_rank_group():
 def test_ring_bytes_follow_the_busbw_factors():
     assert Collective(ALL_REDUCE, 100, 4, 4).ring_bytes_sent == pytest.approx(400 * 2 * 3 / 4)
     assert Collective(ALL_GATHER, 100, 2, 2).ring_bytes_sent == pytest.approx(200 * 1 / 2)
+    assert Collective("broadcast", 100, 4, 4).ring_bytes_sent == 400
     assert Collective(REDUCE_SCATTER, 8, 4, 1).ring_bytes_sent == 0
+    assert Collective("broadcast", 8, 4, 1).ring_bytes_sent == 0
 
 
-def test_records_op_dtype_and_bytes(one_rank_group):
+@pytest.mark.parametrize("names", ["this torch's", "before 2.13"])
+def test_records_op_dtype_and_bytes(one_rank_group, names, monkeypatch):
+    if names == "before 2.13":  # torch 2.11 has only all_gather_into_tensor / reduce_scatter_tensor
+        monkeypatch.delattr(dist, "all_gather_single", raising=False)
+        monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    all_gather_single, reduce_scatter_single = single_tensor_collectives()
     shard = torch.ones(10, dtype=torch.bfloat16)
     full = torch.empty(10, dtype=torch.bfloat16)
     grads = torch.ones(8)
     with CollectiveLog() as log:
-        dist.all_gather_single(full, shard)  # all_gather_into_tensor before torch 2.13
+        all_gather_single(full, shard)
         dist.all_reduce(grads)
-        dist.reduce_scatter_single(torch.empty(8), torch.ones(8))  # reduce_scatter_tensor before 2.13
+        reduce_scatter_single(torch.empty(8), torch.ones(8))
     assert [c.op for c in log.calls] == ["_allgather_base_", "allreduce_", "_reduce_scatter_base_"]
     assert [c.kind for c in log.calls] == [ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER]
     gather, reduce, scatter = log.calls
@@ -55,10 +63,11 @@ def _collectives_worker():
     with log:
         t = torch.ones(10)
         dist.all_reduce(t)
+        all_gather_single, reduce_scatter_single = single_tensor_collectives()
         out = torch.empty(6 * world, dtype=torch.bfloat16)
-        dist.all_gather_into_tensor(out, torch.ones(6, dtype=torch.bfloat16))
+        all_gather_single(out, torch.ones(6, dtype=torch.bfloat16))
         rs = torch.empty(3)
-        dist.reduce_scatter_tensor(rs, torch.ones(3 * world))
+        reduce_scatter_single(rs, torch.ones(3 * world))
         mesh = init_device_mesh("cpu", (world,))
         d = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
         d.redistribute(mesh, [Replicate()])

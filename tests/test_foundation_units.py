@@ -47,16 +47,25 @@ def test_headlines_are_read_back_from_an_executed_notebook():
     assert headlines_of(nb) == [{"name": "x", "value": 1.0, "unit": "s"}]
 
 
-def test_progress_goes_to_a_file_under_the_launcher(tmp_path, monkeypatch):
-    monkeypatch.setenv(progress.RUN_DIR_VAR, str(tmp_path))
-    monkeypatch.setenv("RANK", "1")
-    progress.report_progress(3, 10, loss=0.5)
-    states = progress.read_progress(str(tmp_path), world_size=2)
-    assert list(states) == [1] and states[1]["step"] == 3 and states[1]["metrics"] == {"loss": 0.5}
+def test_progress_goes_to_the_launchers_pipe_as_one_line_each(monkeypatch):
+    read, write = os.pipe()
+    try:
+        monkeypatch.setenv(progress.PROGRESS_FD_VAR, str(write))
+        monkeypatch.setenv("RANK", "1")
+        progress.report_progress(3, 10, loss=0.5)
+        progress.report_outcome("result")
+        lines = os.read(read, 1 << 16).splitlines()
+    finally:
+        os.close(read)
+        os.close(write)
+    state, notice = (progress.parse_line(line) for line in lines)
+    assert state["step"] == 3 and state["total"] == 10 and state["metrics"] == {"loss": 0.5}
+    assert notice == {"event": "reported", "outcome": "result"}
+    assert progress.parse_line(b"not json") is None
 
 
 def test_progress_prints_every_tenth_outside_the_launcher(capsys, monkeypatch):
-    monkeypatch.delenv(progress.RUN_DIR_VAR, raising=False)
+    monkeypatch.delenv(progress.PROGRESS_FD_VAR, raising=False)
     monkeypatch.setenv("RANK", "0")
     for step in range(1, 21):
         progress.report_progress(step, 20, loss=1.0 / step)

@@ -21,6 +21,8 @@ from helpers.paths import SCRIPTS
 
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.
 SMOKE_ARGS: dict[str, list[str]] = {
+    "collectives.py": ["--elements-per-rank", "1000"],
+    "hello_distributed.py": [],
     "train_pipeline.py": ["--steps", "3", "--d-model", "64", "--layers", "2", "--microbatches", "4"],
     "train_tp.py": ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "2"],
 }

@@ -1,8 +1,10 @@
 """A per-rank progress display for long work, that costs the worker one optional call.
 
-Why files and not stdout: a rank writes its latest state (step, total, a few metrics) to a small file that the
-launcher reads while it waits, so progress never mixes with the rank's own prints and a slow kernel never blocks a
-worker. Outside `helpers.launch` (under torchrun, say) `report_progress` prints a line every tenth of the work.
+Why a pipe of its own and not stdout: a rank writes its latest state (step, total, a few metrics) as one JSON line
+to a pipe the launcher gave it (COOKBOOK_PROGRESS_FD), so progress never mixes with the rank's own prints, and the
+launcher's supervisor wakes when progress arrives instead of polling files. A line is shorter than PIPE_BUF, so
+lines of one rank never interleave. Outside `helpers.launch` (under torchrun, say) `report_progress` prints a line
+every tenth of the work. The same pipe carries the worker's "reported" notice (its result or error is written).
 """
 from __future__ import annotations
 
@@ -12,37 +14,45 @@ import os
 import sys
 import time
 
-RUN_DIR_VAR = "COOKBOOK_RUN_DIR"
+RUN_DIR_VAR = "COOKBOOK_RUN_DIR"  # the launch's private folder, in every worker's environment
+PROGRESS_FD_VAR = "COOKBOOK_PROGRESS_FD"
+
+
+def _send_line(state: dict) -> bool:
+    fd = os.environ.get(PROGRESS_FD_VAR)
+    if not fd:
+        return False
+    try:
+        os.write(int(fd), (json.dumps(state) + "\n").encode())
+    except OSError:  # the launcher is gone (or this process was not started by it): fall back to printing
+        return False
+    return True
 
 
 def report_progress(step: int, total: int, **metrics: float) -> None:
     """Tell the launcher (or the terminal) how far this rank is. Cheap enough to call every step."""
-    rank = int(os.environ.get("RANK", "0"))
-    run_dir = os.environ.get(RUN_DIR_VAR)
     state = {"step": int(step), "total": int(total), "time": time.time(),
              "metrics": {k: float(v) for k, v in metrics.items()}}
-    if run_dir:
-        path = os.path.join(run_dir, f"progress.{rank}")
-        with open(path + ".tmp", "w") as f:
-            json.dump(state, f)
-        os.replace(path + ".tmp", path)
+    if _send_line(state):
         return
     tenth = max(1, total // 10)
     if step % tenth == 0 or step == total:
         shown = " ".join(f"{k}={v:.4g}" for k, v in state["metrics"].items())
-        print(f"[rank {rank}] {step}/{total} {shown}", flush=True)
+        print(f"[rank {os.environ.get('RANK', '0')}] {step}/{total} {shown}", flush=True)
 
 
-def read_progress(run_dir: str, world_size: int) -> dict[int, dict]:
-    """Latest state of every rank that has reported."""
-    states = {}
-    for rank in range(world_size):
-        try:
-            with open(os.path.join(run_dir, f"progress.{rank}")) as f:
-                states[rank] = json.load(f)
-        except (OSError, ValueError):
-            continue
-    return states
+def report_outcome(outcome: str) -> None:
+    """The worker's notice that its result or error is written (the launcher then expects it to exit)."""
+    _send_line({"event": "reported", "outcome": outcome})
+
+
+def parse_line(line: bytes) -> dict | None:
+    """One line of a rank's progress pipe, or None if it is not one of ours."""
+    try:
+        state = json.loads(line)
+    except ValueError:
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def _in_notebook() -> bool:
@@ -61,12 +71,14 @@ class ProgressDisplay:
         self._last = 0.0
         self._last_states: dict[int, dict] = {}
 
-    def update(self, states: dict[int, dict], force: bool = False) -> None:
+    def update(self, states: dict[int, dict], force: bool = False) -> bool:
+        """Draw `states` unless nothing changed or the last drawing is younger than min_interval (then False:
+        the caller draws again at `next_draw_at`)."""
         if not states or (states == self._last_states and not force):
-            return
+            return True
         now = time.monotonic()
         if not force and now - self._last < self.min_interval:
-            return
+            return False
         self._last, self._last_states = now, dict(states)
         if _in_notebook():
             from IPython.display import HTML, display
@@ -78,6 +90,11 @@ class ProgressDisplay:
         else:
             print("progress: " + " | ".join(self._text(r, s) for r, s in sorted(states.items())),
                   file=sys.stderr, flush=True)
+        return True
+
+    @property
+    def next_draw_at(self) -> float:
+        return self._last + self.min_interval
 
     @staticmethod
     def _text(rank: int, s: dict) -> str:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers.launcher.sessions import stop_sessions
 from helpers.paths import REPO_ROOT
 
 
@@ -73,16 +74,15 @@ class TorchrunResult:
 
 
 def _stop_session(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """torchrun's agent and its workers: the agent leads a session of its own."""
+    def gone(pid: int, timeout: float) -> bool:
         try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=5)
-            return
+            proc.wait(timeout)
+            return True
         except subprocess.TimeoutExpired:
-            continue
+            return False
+
+    stop_sessions([proc.pid], gone, grace=5.0)
 
 
 def run_torchrun(script: str | os.PathLike, *script_args: str, nproc: int = 2, max_restarts: int = 0,
@@ -147,7 +147,7 @@ def error_files(log_dir: str | os.PathLike, attempt: int = 0) -> list:
     """
     import json
 
-    from helpers.launcher.api import RankFailure
+    from helpers.launcher.errors import RankFailure
 
     failures = []
     for path in sorted(Path(log_dir).glob(f"*/attempt_{attempt}/*/error.json")):

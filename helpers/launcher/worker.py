@@ -1,11 +1,12 @@
 """The first code a worker process runs: make it look like a torchrun worker, run the cell's function, report.
 
-Why this is careful: a worker forked from a Jupyter kernel inherits the kernel's ZMQ-backed sys.stdout, its signal
-handlers and its process group. Left alone, a print would write into the kernel's sockets, a cell interrupt would
-raise KeyboardInterrupt in every worker, and a killed worker's children would outlive it. So the worker gets its
-own session (one signal kills it and everything it started), plain files as stdout and stderr (the launcher tails
-them, so output can never fill a pipe and block), a faulthandler that dumps its Python stack on SIGUSR1 (how a
-timeout shows where each rank was stuck), and it reports its return value or its exception through a file.
+A worker starts as a fork of the launcher's server (or as a spawned interpreter), never of the kernel. It takes
+on the kernel's state *at launch time* (environment, current directory, sys.path, read from the launch's folder),
+a fresh process's random state, and `threads` intra-op threads. It gets its own session (one signal stops it and
+everything it started), line-buffered stdout and stderr on the launcher's pipes (each line reaches the cell at
+once), a faulthandler that dumps its Python stack on SIGUSR1 (how a timeout shows where each rank was stuck), and
+it reports its return value or its exception through a file in the launch's folder, then says so on its progress
+pipe. Its function and arguments are unpickled (cloudpickle) here, after the fork, never in the server.
 
 The function's local variables outlive its return until the result is written (`_call_keeping_locals`): freeing
 them is where a finished rank can deadlock (a gloo process group whose last reference a DDP reducer drops, with
@@ -24,54 +25,51 @@ import sys
 import time
 import traceback
 
+from helpers.launcher.progress import PROGRESS_FD_VAR, report_outcome
+
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
+COMMAND_FD_VAR = "COOKBOOK_COMMAND_FD"
 
 
-def _reopen_std_streams(out_path: str, err_path: str) -> None:
+def _line_buffered_std_streams() -> None:
+    """fds 1 and 2 are the launcher's pipes: wrap them so every line reaches the cell as soon as it is printed."""
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
     os.close(stdin)
-    for fd, path in ((1, out_path), (2, err_path)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(target, fd)
-        os.close(target)
-    old_stdout, old_stderr = sys.stdout, sys.stderr
     sys.stdin = open(0, closefd=False)
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True, write_through=True)
-    old_streams = {id(sys.__stdout__), id(sys.__stderr__), id(old_stdout), id(old_stderr)}
     sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
-    _repoint_logging(old_streams)
 
 
-def _repoint_logging(old_streams: set[int]) -> None:
-    """Logging handlers the kernel made before the fork still hold its streams: point them at this rank's."""
-    import logging
+def _fresh_random_state() -> None:
+    """Seed Python's, numpy's and torch's global generators from the OS, as a freshly started process is.
 
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                stream = getattr(handler, "stream", None)
-                if stream is not None and (id(stream) in old_streams or type(stream).__name__ == "OutStream"
-                                           or _is_std_fd(stream)):
-                    handler.setStream(sys.stderr)
+    A forked worker would otherwise share the server's generator states with every other rank and every other
+    launch. (Seed explicitly in your function when ranks must agree, as a training script does.)
+    """
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
 
 
-def _is_std_fd(stream) -> bool:
-    try:
-        return stream.fileno() in (1, 2)
-    except Exception:  # noqa: BLE001 - an in-memory stream: leave it alone
-        return False
+def _write_atomically(path: str, data) -> None:
+    """The launcher takes a file's existence to mean it is complete: write beside it, then rename."""
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
 
 
 def _dump(path: str, record: dict) -> None:
-    with open(path + ".tmp", "wb") as f:
-        f.write(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
-    os.replace(path + ".tmp", path)
+    _write_atomically(path, pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _result_pickler(buffer):
@@ -139,9 +137,8 @@ def _call_keeping_locals(fn, args, kwargs, kept: list):
         sys.setprofile(previous)  # a builtin fn makes no Python call: the hook must not outlive it
 
 
-def run_worker(payload, rank: int, spec: dict) -> None:
-    """Entry point of every worker (fork or spawn). Never returns: ends the process with os._exit."""
-    run_dir = spec["run_dir"]
+def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, command_fd: int | None = None) -> None:
+    """Entry point of every worker (forked by the server, or spawned). Never returns: ends with os._exit."""
     exit_code = 1
     try:
         if hasattr(os, "setsid"):
@@ -149,36 +146,46 @@ def run_worker(payload, rank: int, spec: dict) -> None:
                 os.setsid()
             except PermissionError:  # spawned with start_new_session: already a session leader
                 pass
-        _die_with_parent(spec["parent_pid"])
+        _die_with_parent(parent_pid)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        _reopen_std_streams(os.path.join(run_dir, f"out.{rank}"), os.path.join(run_dir, f"err.{rank}"))
+        _line_buffered_std_streams()
         faulthandler.enable(file=sys.stderr, all_threads=True)
         if STACK_SIGNAL is not None:
             stack_file = open(os.path.join(run_dir, f"stack.{rank}"), "w")
             faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
+        with open(os.path.join(run_dir, "spec.pkl"), "rb") as f:
+            spec = pickle.load(f)
+        # the kernel's state at launch time, as a fork of the kernel would have seen it
+        os.environ.clear()
         os.environ.update(spec["env"])
-        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank)})
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                           PROGRESS_FD_VAR: str(progress_fd)})
+        if command_fd is not None:  # a persistent rank (`Workers`): its calls arrive on this pipe
+            os.environ[COMMAND_FD_VAR] = str(command_fd)
+        os.chdir(spec["cwd"])
+        sys.path[:] = spec["sys_path"]
+        _fresh_random_state()
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(spec["threads"])
+            import torch.distributed as dist
 
-        if "torch.distributed" in sys.modules and sys.modules["torch.distributed"].is_available():
-            # forked: torch.distributed read TORCH_DISTRIBUTED_DEBUG when the kernel imported it; re-read it so
-            # launch(env={"TORCH_DISTRIBUTED_DEBUG": ...}) acts as it does under torchrun.
-            sys.modules["torch.distributed"].set_debug_level_from_env()
-        if "torch" in sys.modules:  # forked: torch's thread pool size was fixed by the parent
-            sys.modules["torch"].set_num_threads(int(spec["env"]["OMP_NUM_THREADS"]))
+            if dist.is_available():  # read when torch was imported in the server: re-read the launch's value
+                dist.set_debug_level_from_env()
         if spec["loopback_store"]:
-            from helpers.launcher import rendezvous as loopback_rendezvous
+            from helpers.launcher import rendezvous
 
-            if not loopback_rendezvous.install(run_dir):
+            if not rendezvous.install(run_dir):
                 print("helpers.launch: torch's rendezvous registry changed; env:// uses TCPStore "
                       "(listening on all interfaces)", file=sys.stderr)
-        if isinstance(payload, bytes):  # spawn: the function travelled by value
-            import cloudpickle
+        import cloudpickle
 
-            payload = cloudpickle.loads(payload)
-        fn, args, kwargs = payload
+        with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
+            fn, args, kwargs = cloudpickle.load(f)
     except BaseException as exc:  # noqa: BLE001 - a broken start must still be reported
         _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
+        report_outcome("error")
         os._exit(1)
 
     kept: list = []
@@ -186,6 +193,7 @@ def run_worker(payload, rank: int, spec: dict) -> None:
         result = _call_keeping_locals(fn, args, kwargs, kept)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are failures too
         _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
+        report_outcome("error")
     else:
         buffer = io.BytesIO()
         try:
@@ -195,11 +203,10 @@ def run_worker(payload, rank: int, spec: dict) -> None:
                            f"({type(result).__qualname__}): {type(exc).__name__}: {exc}")
             _dump(os.path.join(run_dir, f"error.{rank}"),
                   _error_record(rank, TypeError(exc_message), traceback.format_exc()))
+            report_outcome("error")
         else:
-            path = os.path.join(run_dir, f"result.{rank}")
-            with open(path + ".tmp", "wb") as f:
-                f.write(buffer.getbuffer())
-            os.replace(path + ".tmp", path)
+            _write_atomically(os.path.join(run_dir, f"result.{rank}"), buffer.getbuffer())
+            report_outcome("result")
             exit_code = 0
     finally:
         kept.clear()  # fn's objects are freed now, as at the end of a torchrun script: files flush, temp dirs go
@@ -211,11 +218,8 @@ def run_worker(payload, rank: int, spec: dict) -> None:
         os._exit(exit_code)
 
 
-def spawn_main(run_dir: str, rank: int) -> None:
-    """Entry point of a spawned worker: a fresh interpreter that never imports the kernel's __main__."""
-    with open(os.path.join(run_dir, "spec.pkl"), "rb") as f:
-        spec = pickle.load(f)
-    sys.path[:] = spec["sys_path"]
-    with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
-        payload = f.read()
-    run_worker(payload, rank, spec)
+def spawn_main(run_dir: str, rank: int, progress_fd: int, command_fd: int | None = None) -> None:
+    """Entry point of a spawned worker: a fresh interpreter, child of the kernel, that imports torch itself."""
+    import torch  # noqa: F401 - what the fork-server has preloaded, so both start methods set up alike
+
+    run_worker(run_dir, rank, parent_pid=os.getppid(), progress_fd=progress_fd, command_fd=command_fd)

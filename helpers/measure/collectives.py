@@ -4,8 +4,9 @@ algbw and busbw as nccl-tests defines them, and the ceilings a figure should be 
 Why a module: every notebook that says "communication costs X" needs the same discipline, and the mistakes are
 easy to make (timing the first call, which includes connection set-up; timing one rank, which may have arrived
 late; forgetting `cuda.synchronize`, which times the kernel launch; comparing a reduce-scatter's bandwidth with
-an all-reduce's without the bus factor). Everything here is called inside a worker after
-`dist.init_process_group()`; nothing is called from the kernel except the pure arithmetic and formatting.
+an all-reduce's without the bus factor). `time_collective` and the ceilings are called inside a worker after
+`dist.init_process_group()`; the `*_worker` harnesses are launched as they are (`helpers.launch(bench.sweep_worker,
+...)`) and start their own group; from the kernel only the pure arithmetic, reading and formatting are called.
 
 Definitions (nccl-tests, doc/PERFORMANCE.md). S is the size of the *full* array in bytes: the all-reduce buffer,
 the all-gather output, the reduce-scatter input, the all-to-all buffer of one rank, the broadcast buffer.
@@ -17,7 +18,10 @@ number to hold against a link's bandwidth, and it does not change with n for a b
 """
 from __future__ import annotations
 
+import gc
+import glob
 import os
+import shutil
 import socket
 import threading
 import time
@@ -116,16 +120,30 @@ def _buffers(name: str, size_bytes: int, n: int, device, dtype):
     return buf, buf
 
 
+def single_tensor_collectives():
+    """(all_gather_single, reduce_scatter_single) of this torch: the 2.13 names, else the older ones.
+
+    Why: torch 2.13 adds `all_gather_single`/`reduce_scatter_single` and deprecates `all_gather_into_tensor`/
+    `reduce_scatter_tensor` (same arguments); torch 2.11 has only the older names. Looked up at call time, so a
+    test can take the new names away.
+    """
+    import torch.distributed as dist
+
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
+
+
 def _operation(name: str, inp, out, group):
     """A zero-argument callable that runs the collective once (synchronous API)."""
     import torch.distributed as dist
 
+    all_gather_single, reduce_scatter_single = single_tensor_collectives()
     if name == "all_reduce":
         return lambda: dist.all_reduce(inp, group=group)
     if name == "all_gather":
-        return lambda: dist.all_gather_single(out, inp, group=group)
+        return lambda: all_gather_single(out, inp, group=group)
     if name == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(out, inp, group=group)
+        return lambda: reduce_scatter_single(out, inp, group=group)
     if name == "all_to_all":
         return lambda: dist.all_to_all_single(out, inp, group=group)
     if name == "broadcast":
@@ -260,6 +278,140 @@ def time_collective(name: str, sizes: list[int], *, warmup: int = 5, repeats: in
         })
         del inp, out, op
     return records
+
+
+# ---------------------------------------------------------------------------------------- launched harnesses
+
+def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectives=COLLECTIVES, device=None,
+                 gloo_on_cuda_up_to: int | None = None) -> dict:
+    """The benchmark notebook 01 launches: every collective at every size, and the ceilings to read them against.
+
+    A harness, not teaching code: it runs under `helpers.launch` (or torchrun) and starts its own process group,
+    with `device_id` on a GPU. Rank 0 measures the ceilings (`measure_ceilings`) before and after the sweep while
+    the others wait, and keeps the better of the two (`best_ceilings`).
+    device: None = this rank's device (its own GPU under NCCL, else the CPU); "cuda:0" puts every rank's tensors
+        on one GPU, which only gloo accepts (NCCL refuses two ranks on one GPU).
+    gloo_on_cuda_up_to: also time the all-reduce of the same CUDA tensors through a gloo group (staged through
+        host memory), for sizes up to this many bytes.
+    Returns {'records': every rank the same list, 'ceilings': rank 0's (None elsewhere), 'note'}.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from helpers.devices import default_backend, rank_device
+
+    device = rank_device() if device is None else torch.device(device)
+    backend = default_backend()
+    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    try:
+        lead = dist.get_rank() == 0
+        before = measure_ceilings(device) if lead else None  # rank 0 alone; the others wait at the barrier
+        _barrier(None, device)
+        records = [r for name in collectives
+                   for r in time_collective(name, sizes, warmup=warmup, repeats=repeats, device=device)]
+        if gloo_on_cuda_up_to and device.type == "cuda":
+            gloo = dist.new_group(backend="gloo")
+            records += time_collective("all_reduce", [s for s in sizes if s <= gloo_on_cuda_up_to], warmup=warmup,
+                                       repeats=repeats, device=device, group=gloo)
+        _barrier(None, device)
+        ceilings = best_ceilings(before, measure_ceilings(device)) if lead else None
+        return {"records": records, "ceilings": ceilings, "note": environment_note()}
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def intra_op_threads_worker(thread_counts=(1, 4), size_bytes: int = 1024, rounds: int = 15, calls: int = 50,
+                            warmup: int = 20) -> dict:
+    """All-reduce time of one small CPU message (gloo) under each intra-op thread count, measured side by side.
+
+    Why side by side: a round times `calls` back-to-back all-reduces under every thread count in turn, so a burst
+    of load on a shared machine hits the counts of one round alike, and the per-round ratio is the sample a
+    verdict's interval is taken from. `torch.set_num_threads` is what one article pairs with numactl binding.
+    Every rank returns the same times: per round and count, the slowest rank's mean time per call.
+    (Run it in workers that were not forked from a process that has used OpenMP: `helpers.launch`'s fork-server
+    never has; a fork of a kernel that ran a multi-threaded op can hang at its first parallel op.)
+    """
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    try:
+        tensor = torch.ones(max(1, size_bytes // 4))
+        for k in thread_counts:
+            torch.set_num_threads(k)
+            for _ in range(warmup):
+                dist.all_reduce(tensor)
+        times = {k: [] for k in thread_counts}
+        for _ in range(rounds):
+            for k in thread_counts:
+                torch.set_num_threads(k)
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    dist.all_reduce(tensor)
+                times[k].append((time.perf_counter() - start) / calls)
+        packed = torch.tensor([t for k in thread_counts for t in times[k]], dtype=torch.float64)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+        slowest = packed.view(len(thread_counts), rounds).tolist()
+        return {"times_s": dict(zip(thread_counts, slowest)), "size_bytes": tensor.numel() * 4,
+                "world_size": dist.get_world_size(), "cores": usable_cores()}
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def detail_cost_worker(rounds: int = 15, calls: int = 20) -> dict:
+    """What `TORCH_DISTRIBUTED_DEBUG=DETAIL` costs one small all-reduce: its time on the default group (checked,
+    when the variable is set) over its time on a group created with the check switched off, side by side.
+
+    Launch it with env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}. No barrier between the calls: under DETAIL a barrier
+    is a checked collective of its own. Returns the per-round ratios and both medians (seconds per call).
+    """
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    try:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+        unchecked = dist.new_group()  # created while the check is off: not wrapped
+        dist.set_debug_level_from_env()
+        tensor = torch.ones(1)
+
+        def per_call_s(group):
+            start = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(tensor, group=group)
+            return (time.perf_counter() - start) / calls
+
+        per_call_s(None), per_call_s(unchecked)  # warm-up
+        pairs = [(per_call_s(None), per_call_s(unchecked)) for _ in range(rounds)]
+        return {"debug_level": str(dist.get_debug_level()), "ratios": [d / o for d, o in pairs],
+                "detail_s": summarize([d for d, _ in pairs])["median_s"],
+                "off_s": summarize([o for _, o in pairs])["median_s"]}
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def transport_facts() -> dict:
+    """What this machine has of the settings the articles' network advice touches: TCP receive-buffer limits
+    (net.ipv4.tcp_rmem min/default/max and net.core.rmem_max, bytes), InfiniBand devices, NUMA nodes, numactl.
+
+    Read from /proc and /sys (Linux); a value this machine does not expose is None.
+    """
+    def read(path):
+        try:
+            with open(path) as f:
+                return [int(v) for v in f.read().split()]
+        except (OSError, ValueError):
+            return None
+
+    infiniband = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
+    return {"tcp_rmem": read("/proc/sys/net/ipv4/tcp_rmem"), "rmem_max": (read("/proc/sys/net/core/rmem_max")
+                                                                           or [None])[0],
+            "infiniband": infiniband, "numa_nodes": len(glob.glob("/sys/devices/system/node/node[0-9]*")) or None,
+            "numactl": shutil.which("numactl"), "cores": usable_cores()}
 
 
 # --------------------------------------------------------------------------------------------------- ceilings
@@ -409,6 +561,7 @@ def best_ceilings(*runs: dict) -> dict:
 # ------------------------------------------------------------------------------------------------- reading
 
 def human_bytes(n: float) -> str:
+    """1024 -> '1 KiB', 1536 -> '1.5 KiB': sizes in binary units, for tables and axis ticks alike."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
@@ -446,6 +599,56 @@ def format_ceilings(ceilings: dict) -> str:
             lines.append(f"{c['name']:<32} {c['rate'] / GB:10.2f} GB/s ({spread}; {human_bytes(c['size_bytes'])}; "
                          f"counted as {c['counts']})")
     return "\n".join(lines)
+
+
+def latency_and_bandwidth(rows: list[dict]) -> dict:
+    """The two figures an article's backend table quotes, from one collective's records: latency (ms, the median
+    time of the smallest message) and bandwidth (GB/s, the best busbw), each as (median, bootstrap interval of the
+    median over the repeats), and the context they were measured in."""
+    from helpers.measure.claims import median_interval
+
+    small, best = smallest(rows), peak(rows)
+    return {"latency_ms": (small["median_s"] * 1e3, tuple(t * 1e3 for t in median_interval(small["times_s"]))),
+            "bandwidth_GBps": (best["busbw"] / GB, tuple(sorted(best["size_bytes"] * best["factor"] / t / GB
+                                                                for t in median_interval(best["times_s"])))),
+            "context": f"{best['world_size']} ranks, {best['device']} tensors, {best['collective']} of "
+                       f"{human_bytes(small['size_bytes'])}..{human_bytes(max(r['size_bytes'] for r in rows))}"}
+
+
+def share_of_peak(rows: list[dict]) -> tuple[float, tuple[float, float]]:
+    """The smallest message's busbw as a % of the best busbw among `rows`: (median, (slowest repeat, fastest))."""
+    small, best = smallest(rows), peak(rows)
+    low, mid, high = (100 * small["size_bytes"] * small["factor"] / t / best["busbw"]
+                      for t in (small["max_s"], small["median_s"], small["min_s"]))
+    return mid, (low, high)
+
+
+def ratio_to_ceiling(record: dict, ceiling: dict) -> tuple[float, tuple[float, float]]:
+    """A record's busbw over a bandwidth ceiling's rate: (medians' ratio, (slowest over fastest, fastest over
+    slowest)), the interval spanning both measurements' repeats."""
+    size = record["size_bytes"] * record["factor"]
+    return ((size / record["median_s"]) / (ceiling["size_bytes"] / ceiling["median_s"]),
+            ((size / record["max_s"]) / (ceiling["size_bytes"] / ceiling["min_s"]),
+             (size / record["min_s"]) / (ceiling["size_bytes"] / ceiling["max_s"])))
+
+
+def one_gpu_report(alone: dict, shared: dict, world_size: int) -> str:
+    """What one GPU can and cannot show, from `sweep_worker` at world size 1 under NCCL (`alone`) and two gloo ranks
+    sharing the GPU (`shared`), with the device copy rate (HBM) as the ceiling."""
+    hbm = alone["ceilings"]["device_copy"]
+    call = smallest([r for r in alone["records"] if r["collective"] == "all_reduce"])
+    return "\n".join([
+        format_ceilings({"device_copy": hbm}), "", format_table(alone["records"], hbm), "",
+        format_table(shared["records"], hbm), "", "what one GPU shows:",
+        f"  the fixed cost of an NCCL call: all_reduce of {human_bytes(call['size_bytes'])} on 1 rank, "
+        f"{call['median_s'] * 1e6:.1f} us",
+        f"  the GPU's copy rate (HBM), the ceiling of any collective on it: {hbm['rate'] / GB:.0f} GB/s",
+        f"  gloo moving CUDA tensors between two ranks through host memory: best busbw "
+        f"{peak(shared['records'])['busbw'] / GB:.2f} GB/s",
+        "what it cannot show:",
+        "  NCCL's busbw between GPUs: at world size 1 nothing crosses a link (busbw factor 0); that needs two GPUs",
+        "  NCCL against gloo on the same GPUs: NCCL refuses two ranks on one GPU",
+        f"  the multi-rank demos ran gloo on CPU ({world_size} ranks)"])
 
 
 def peak(records: list[dict], key: str = "busbw") -> dict:

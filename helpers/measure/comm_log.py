@@ -12,7 +12,7 @@ c10d collectives on flat buffers.
 
 Sizes are the collective's logical buffer: an all-gather's output, a reduce-scatter's input, an all-reduce's
 tensor. On a ring, each rank then sends (N-1)/N of that buffer for an all-gather or a reduce-scatter, and twice
-that for an all-reduce (nccl-tests' busbw factors).
+that for an all-reduce (nccl-tests' busbw factors, `helpers.measure.collectives.busbw_factor`).
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers.measure.collectives import busbw_factor
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
 
@@ -56,12 +58,11 @@ class Collective:
 
     @property
     def ring_bytes_sent(self) -> float:
-        """Bytes one rank sends for this collective on a ring (a broadcast: the whole buffer, pipelined)."""
-        n = self.group_size
-        if n <= 1:
+        """Bytes one rank sends for this collective on a ring: the buffer times nccl-tests' busbw factor (a
+        broadcast: the whole buffer, pipelined); nothing in a group of one."""
+        if self.group_size <= 1:
             return 0.0
-        factor = {ALL_REDUCE: 2 * (n - 1) / n, "broadcast": 1.0}.get(self.kind, (n - 1) / n)
-        return self.bytes * factor
+        return self.bytes * busbw_factor(self.kind, self.group_size)
 
 
 def _tensors(x) -> list:

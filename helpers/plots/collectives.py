@@ -7,17 +7,8 @@ bound at small sizes, bandwidth bound at large ones). Each function takes measur
 """
 from __future__ import annotations
 
+from helpers.measure.collectives import COLLECTIVES, GB, busbw_factor, human_bytes
 from helpers.plots import new_figure
-
-_BYTES_TICKS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def _human(n: float) -> str:
-    for unit in _BYTES_TICKS:
-        if n < 1024 or unit == _BYTES_TICKS[-1]:
-            return f"{n:g} {unit}"
-        n /= 1024
-    return f"{n:g}"
 
 
 def _size_axis(ax, sizes) -> None:
@@ -28,7 +19,7 @@ def _size_axis(ax, sizes) -> None:
     step = max(1, len(shown) // 7)
     ax.xaxis.set_major_locator(FixedLocator(shown[::step]))
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _human(v)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(v)))
     ax.set_xlabel("message size S (full array)")
     for label in ax.get_xticklabels():
         label.set_rotation(30)
@@ -46,8 +37,6 @@ def bandwidth_and_latency(records: list[dict], ceilings: dict | None = None, tit
 
     One line per collective (colour) and backend (line style); shaded: the interquartile range over repeats.
     """
-    from helpers.measure.collectives import COLLECTIVES, GB
-
     fig, (ax_bw, ax_lat) = new_figure(2, width=6.4, height=4.2)
     backends = sorted({r["backend"] for r in records})
     styles = dict(zip(backends, ["-", "--", ":", "-."]))
@@ -145,7 +134,7 @@ def ring_traffic(measured: dict[str, list[dict]], size_bytes: int):
         ax.bar([r + 0.2 for r in ranks], [row["received"] / size_bytes for row in rows], width=0.4,
                label="received")
         n = len(rows)
-        ax.axhline(2 * (n - 1) / n, color="0.3", linestyle="--", linewidth=1, label="2(n-1)/n")
+        ax.axhline(busbw_factor("all_reduce", n), color="0.3", linestyle="--", linewidth=1, label="2(n-1)/n")
         ax.set_xticks(list(ranks))
         ax.set_xlabel("rank")
         ax.set_ylim(0, top * 1.15)

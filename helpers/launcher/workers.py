@@ -1,0 +1,331 @@
+"""Persistent ranks for interactive exploration: `Workers` and the `%%distributed` cell magic.
+
+Why: exploring a process group from cells (make a tensor on every rank, all_reduce it, look, try again) with
+`launch` restarts the ranks every time and loses their state. `Workers(world_size=2)` starts the ranks once, from
+the same fork-server and with the same promises as `launch` (torchrun's environment, live rank-prefixed output,
+the root cause of a failure, stacks at a timeout, nothing left running); `.run(fn, *args)` then costs
+milliseconds. Each rank keeps one namespace, like a REPL: a function sent to it runs with that namespace as its
+globals, so a global that one call sets (`global model; model = ...`) is there for the next call, and a
+`%%distributed` cell runs as if typed into every rank's REPL.
+
+Which name wins when the kernel and a rank both have one: a name the rank's code assigned (or created) is the
+rank's; any other global the function uses comes from the kernel, current as of the call.
+
+A function written for `launch` (it creates and destroys its own process group) runs unchanged under `.run`; one
+may also keep its group for later calls. After an error every rank that reported is still usable; after a
+timeout (or a rank's death) the ranks are stopped and the object says it must be restarted (`.restart()`).
+Unlike nbdistributed's magic there is no cap on how long a cell may work, and errors are raised in the kernel.
+Output a rank prints between calls (a background thread) appears at the start of the next call.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import itertools
+import linecache
+import os
+import pickle
+import shlex
+import signal
+import struct
+import sys
+import tempfile
+import time
+
+from helpers.launcher.api import DEFAULT_TIMEOUT, _start, _validate, _write_launch, default_world_size, plan
+from helpers.launcher.errors import WorkerError
+from helpers.launcher.progress import ProgressDisplay, _send_line
+from helpers.launcher.supervise import Supervision
+
+INTERRUPT_GRACE_S = 5.0  # how long ranks get to answer a cell interrupt before they are stopped
+_HEADER = struct.Struct("!I")
+
+
+class WorkersStopped(RuntimeError):
+    """The ranks were stopped (a timeout, a rank that died, `.close()`): create new Workers or `.restart()`."""
+
+
+class Workers:
+    """`world_size` ranks that stay alive between cells. Use as `with Workers(2) as w: w.run(fn)`, or keep one."""
+
+    current: "Workers | None" = None  # the one `%%distributed` uses
+
+    def __init__(self, world_size: int | None = None, *, backend: str | None = None, env: dict | None = None,
+                 threads: int | None = None, start_method: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+        self.world_size = default_world_size() if world_size is None else world_size
+        _validate(print, self.world_size, backend, timeout, "file", threads)
+        self.timeout = timeout
+        self._options = dict(backend=backend, env=env, threads=threads, start_method=start_method)
+        self._supervision: Supervision | None = None
+        self._calls = itertools.count(1)
+        self._start()
+        Workers.current = self
+
+    # -- lifecycle
+    def _start(self) -> None:
+        method, user_env, worker_env, threads = plan(self.world_size, **self._options)
+        self._dir = tempfile.TemporaryDirectory(prefix="cookbook-workers-")
+        run_dir = self._dir.name
+        worker_env["COOKBOOK_RUN_DIR"] = run_dir
+        _write_launch(run_dir, serve_calls, (), {}, worker_env, threads, "file")
+        commands = {rank: os.pipe() for rank in range(self.world_size)}
+        self._commands = {rank: w for rank, (_, w) in commands.items()}
+        supervision = Supervision(run_dir, [], self.timeout, 3.0, 10.0, ProgressDisplay(self.world_size))
+        try:
+            _start(supervision, method, self.world_size, user_env, worker_env, sys.stdout, sys.stderr,
+                   command_fds={rank: r for rank, (r, _) in commands.items()})
+        except BaseException:
+            supervision.finish()
+            self._close_commands()
+            self._dir.cleanup()
+            raise
+        self._supervision = supervision
+        self.stopped_because: str | None = None
+
+    def close(self) -> None:
+        """Let every rank return, then stop whatever is left: no process remains."""
+        supervision, self._supervision = self._supervision, None
+        if supervision is None:
+            return
+        self._close_commands()  # a rank reading its command pipe sees the end and returns
+        deadline = time.monotonic() + 5
+        for slot in supervision.slots:
+            slot.worker.wait_gone(max(0.0, deadline - time.monotonic()))
+        supervision.finish()
+        self._dir.cleanup()
+        self.stopped_because = self.stopped_because or "closed"
+        if Workers.current is self:
+            Workers.current = None
+
+    def restart(self) -> "Workers":
+        self.close()
+        self._start()
+        Workers.current = self
+        return self
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    @property
+    def alive(self) -> bool:
+        return self._supervision is not None
+
+    @property
+    def pids(self) -> list[int]:
+        return [slot.worker.pid for slot in self._supervision.slots] if self._supervision else []
+
+    def _close_commands(self) -> None:
+        for fd in self._commands.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._commands = {}
+
+    # -- calls
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """`fn(*args, **kwargs)` on every rank, in the rank's namespace; the results ordered by rank."""
+        if not callable(fn):
+            raise TypeError(f"run needs a callable to run on every rank, got {type(fn).__name__}: {fn!r}")
+        return self._call(("function", fn, args, kwargs), timeout)
+
+    def run_cell(self, source: str, timeout: float | None = None) -> list:
+        """A cell's code on every rank, as if typed there; the value of its last expression per rank."""
+        compile(source, "<distributed cell>", "exec")  # a syntax error is the kernel's, before any rank runs
+        return self._call(("source", source), timeout)
+
+    def _call(self, request: tuple, timeout: float | None) -> list:
+        supervision = self._supervision
+        if supervision is None:
+            raise WorkersStopped(f"these workers were stopped ({self.stopped_because}); call .restart() or create "
+                                 "new Workers")
+        import cloudpickle
+
+        call = next(self._calls)
+        call_dir = os.path.join(supervision.run_dir, f"call.{call}")
+        os.mkdir(call_dir)
+        if request[0] == "source":
+            name = f"<distributed cell {call}>"
+            linecache.cache[name] = (len(request[1]), None, request[1].splitlines(True), name)
+            request = ("source", request[1], name)
+        with open(os.path.join(call_dir, "call.pkl"), "wb") as f:
+            cloudpickle.dump(request, f)
+        for slot in supervision.slots:
+            slot.done = False
+            slot.out.stream, slot.err.stream = sys.stdout, sys.stderr  # this cell's output
+        supervision.pump_all()  # what ranks printed between calls
+        supervision.results, supervision.failures, supervision.progress = {}, {}, {}
+        supervision.display = ProgressDisplay(self.world_size)  # drawn in this cell, not the last one
+        supervision.call, supervision.outcome_dir = call, call_dir
+        supervision.timeout, supervision.first_failure_at = timeout or self.timeout, None
+        message = pickle.dumps({"call": call, "dir": call_dir})
+        for fd in self._commands.values():
+            os.write(fd, _HEADER.pack(len(message)) + message)
+        try:
+            return supervision.run()
+        except KeyboardInterrupt:
+            self._interrupt(supervision)
+            raise
+        except WorkerError:
+            self._stop_if_broken(supervision, "a rank died or hung after another failed")
+            raise
+        except BaseException:
+            self._stop_if_broken(supervision, "a call timed out")
+            raise
+        finally:
+            supervision.pump_all()
+
+    def _interrupt(self, supervision: Supervision) -> None:
+        """Pass a cell interrupt on to the ranks (KeyboardInterrupt in their call); stop them if they don't end."""
+        for slot in supervision.slots:
+            try:
+                os.kill(slot.worker.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        supervision.timeout = INTERRUPT_GRACE_S
+        try:
+            supervision.run()
+        except (WorkerError, TimeoutError):
+            pass
+        self._stop_if_broken(supervision, "a cell interrupt the ranks did not answer")
+
+    def _stop_if_broken(self, supervision: Supervision, why: str) -> None:
+        """Ranks that did not all report this call (stopped, dead, stuck) cannot take the next one."""
+        for slot in supervision.slots:
+            slot.worker.poll()
+        if all(slot.done and slot.worker.exitcode() is None for slot in supervision.slots):
+            return
+        self.stopped_because = why
+        self.close()
+        self.stopped_because = why
+
+
+# ------------------------------------------------------------------------------------------------ the rank side
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _rank_globals(namespace: dict, fn, owned: set) -> dict:
+    """The kernel's current globals for the names fn uses, except those this rank's own code assigned."""
+    for name, value in getattr(fn, "__globals__", {}).items():
+        if name not in owned and not name.startswith("__"):
+            namespace[name] = value
+    return namespace
+
+
+def serve_calls() -> None:
+    """The function a persistent rank runs: take calls from the command pipe until the kernel closes it."""
+    import cloudpickle
+    import types
+
+    from helpers.launcher import rendezvous
+    from helpers.launcher.worker import COMMAND_FD_VAR, _call_keeping_locals, _dump, _error_record, _result_pickler
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a cell interrupt ends the call, not the rank
+    fd, rank = int(os.environ[COMMAND_FD_VAR]), int(os.environ["RANK"])
+    namespace: dict = {"__name__": "__rank__", "__builtins__": builtins}
+    owned: set = set()
+    while True:
+        header = _read_exactly(fd, _HEADER.size)
+        if header is None:
+            return  # the kernel closed the pipe: Workers.close()
+        message = pickle.loads(_read_exactly(fd, _HEADER.unpack(header)[0]))
+        call_dir = message["dir"]
+        rendezvous.install(call_dir)  # a fresh file store per call: init_process_group in every call works
+        rendezvous._calls = itertools.count()
+        before = dict(namespace)  # taken again once the kernel's globals are in: what changes after is the rank's
+        kept: list = []
+        try:
+            with open(os.path.join(call_dir, "call.pkl"), "rb") as f:
+                request = cloudpickle.load(f)
+            if request[0] == "function":
+                _, fn, args, kwargs = request
+                if isinstance(fn, types.FunctionType):
+                    bound = types.FunctionType(fn.__code__, _rank_globals(namespace, fn, owned), fn.__name__,
+                                               fn.__defaults__, fn.__closure__)
+                    bound.__kwdefaults__ = fn.__kwdefaults__
+                    fn = bound
+                    before = dict(namespace)
+                # the call's locals live until its result is written (see worker._call_keeping_locals)
+                result = _call_keeping_locals(fn, args, kwargs, kept)
+            else:
+                _, source, name = request
+                linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+                result = _run_source(source, name, namespace)
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the rank stays
+            import traceback
+
+            _dump(os.path.join(call_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
+            outcome = "error"
+        else:
+            import io
+
+            buffer = io.BytesIO()
+            try:
+                _result_pickler(buffer).dump(result)
+                _write(os.path.join(call_dir, f"result.{rank}"), buffer.getvalue())
+                outcome = "result"
+            except Exception as exc:  # noqa: BLE001
+                _dump(os.path.join(call_dir, f"error.{rank}"), _error_record(rank, TypeError(
+                    f"rank {rank} returned a value that cannot be pickled ({type(result).__qualname__}): {exc}"), ""))
+                outcome = "error"
+        finally:
+            import gc
+
+            kept.clear()
+            gc.enable()  # _call_keeping_locals turns it off until the result is written
+        owned |= {k for k, v in namespace.items() if k not in before or before[k] is not v}
+        _send_line({"event": "call_done", "call": message["call"], "outcome": outcome})
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def _run_source(source: str, name: str, namespace: dict):
+    """exec the cell in the rank's namespace; the value of a final expression, as IPython shows it."""
+    tree = ast.parse(source, name)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, name, "exec"), namespace)
+    if last is None:
+        return None
+    return eval(compile(ast.Expression(last.value), name, "eval"), namespace)
+
+
+# ------------------------------------------------------------------------------------------------ the magic
+def distributed_magic(line: str, cell: str):
+    """%%distributed [-n WORLD_SIZE] [--timeout SECONDS]: run the cell on every rank of `Workers.current`."""
+    parser = argparse.ArgumentParser(prog="%%distributed", add_help=False)
+    parser.add_argument("-n", "--world-size", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=None)
+    args = parser.parse_args(shlex.split(line))
+    workers = Workers.current
+    if workers is None or not workers.alive or (args.world_size and args.world_size != workers.world_size):
+        if workers is not None:
+            workers.close()
+        workers = Workers(args.world_size)
+    values = workers.run_cell(cell, timeout=args.timeout)
+    return None if all(v is None for v in values) else values
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext helpers.launcher.workers` registers the `%%distributed` cell magic."""
+    ipython.register_magic_function(distributed_magic, magic_kind="cell", magic_name="distributed")

@@ -1,0 +1,235 @@
+# Written by `./cookbook export` from notebooks/01_process_groups_and_collectives.ipynb, cells tagged 'script:collectives.py'.
+# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 collectives.py --help
+"""Collectives by hand and by torch.distributed: a ring all-reduce built from point-to-point messages, checked
+against dist.all_reduce, and a tour of every collective, checked against its closed form.
+
+    torchrun --standalone --nproc-per-node=2 collectives.py --elements-per-rank 1000
+"""
+import argparse
+import gc
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 adds all_gather_single/reduce_scatter_single and deprecates all_gather_into_tensor/
+# reduce_scatter_tensor (same arguments); older releases (2.11) have only the older names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def device_and_backend():
+    """(device, backend) for this rank: its own GPU and NCCL when every local rank can have a GPU, else CPU and gloo."""
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.is_available() and local_world <= torch.cuda.device_count():
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def start_process_group():
+    """Join the group torchrun's environment describes (env://); returns the device this rank computes on."""
+    device, backend = device_and_backend()
+    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def ring_all_reduce(tensor):
+    """Sum `tensor` over all ranks, in place, by a ring of point-to-point messages. Returns the bytes moved."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    chunks = list(tensor.view(-1).tensor_split(n))  # views into `tensor`; sizes differ by at most one element
+    traffic = {"sent": 0, "received": 0}
+
+    def exchange(outgoing, incoming):
+        ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]
+        for handle in dist.batch_isend_irecv(ops):
+            handle.wait()
+        traffic["sent"] += outgoing.numel() * outgoing.element_size()
+        traffic["received"] += incoming.numel() * incoming.element_size()
+
+    for step in range(n - 1):  # reduce-scatter: add what arrives
+        send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[recv_i])
+        exchange(chunks[send_i], incoming)
+        chunks[recv_i] += incoming
+    for step in range(n - 1):  # all-gather: overwrite with the finished chunk
+        send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
+        exchange(chunks[send_i], chunks[recv_i])
+    return traffic
+
+
+def root_all_reduce(tensor):
+    """Sum `tensor` over all ranks through rank 0 (a parameter server on rank 0). Returns the bytes moved."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = tensor.numel() * tensor.element_size()
+    traffic = {"sent": 0, "received": 0}
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for src in range(1, n):
+            dist.recv(incoming, src=src)
+            traffic["received"] += size
+            tensor += incoming
+        for dst in range(1, n):
+            dist.send(tensor, dst=dst)
+            traffic["sent"] += size
+    else:
+        dist.send(tensor, dst=0)
+        traffic["sent"] += size
+        dist.recv(tensor, src=0)
+        traffic["received"] += size
+    return traffic
+
+
+def ring_check(elements_per_rank, device):
+    """One all-reduce three ways (the ring, through rank 0, dist.all_reduce), for a length divisible by n and one
+    that is not. Integers: every summation order gives the same answer, so "equal" can mean torch.equal."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(1000 + rank)
+    out = {}
+    for label, numel in (("divisible", n * elements_per_rank), ("uneven", n * elements_per_rank + 1)):
+        x = torch.randint(-1000, 1000, (numel,), generator=generator, dtype=torch.int64).to(device)
+        by_ring, by_root, by_torch = x.clone(), x.clone(), x.clone()
+        ring_traffic = ring_all_reduce(by_ring)
+        root_traffic = root_all_reduce(by_root)
+        dist.all_reduce(by_torch)
+        out[label] = {"input": x.cpu(), "ring": by_ring.cpu(), "root": by_root.cpu(), "torch": by_torch.cpu(),
+                      "ring_traffic": ring_traffic, "root_traffic": root_traffic,
+                      "size_bytes": x.numel() * x.element_size()}
+    return out
+
+
+def ring_worker(elements_per_rank):
+    device = start_process_group()
+    try:
+        return ring_check(elements_per_rank, device)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def collectives_tour(device):
+    """Every collective once. Returns {operation: (this rank's tensor before, after)} on the CPU; None where the
+    operation leaves this rank's buffer undefined or gives it nothing."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def start():
+        return (10 * (rank + 1) + torch.arange(n, dtype=torch.float32)).to(device)
+
+    def empty(k):
+        return torch.empty(k, device=device)
+
+    seen = {}
+    x = start()
+    dist.broadcast(x, src=0)
+    seen["broadcast(src=0)"] = (start(), x)
+    x = start()
+    dist.reduce(x, dst=0)                              # SUM into rank 0; other ranks' buffers are undefined
+    seen["reduce(dst=0)"] = (start(), x if rank == 0 else None)
+    for name in ("SUM", "AVG", "MAX"):
+        x = start()
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, name))
+        seen[f"all_reduce({name})"] = (start(), x)
+    parts = [empty(n) for _ in range(n)]
+    dist.all_gather(parts, start())                    # a list of n tensors
+    seen["all_gather"] = (start(), torch.cat(parts))
+    out = empty(n * n)
+    all_gather_single(out, start())                    # one tensor, n times as long
+    seen["all_gather_single"] = (start(), out)
+    out = empty(1)
+    reduce_scatter_single(out, start())                # rank r gets element r of the sum
+    seen["reduce_scatter_single"] = (start(), out)
+    out = empty(n)
+    dist.all_to_all_single(out, start())               # rank r gets element r of every rank
+    seen["all_to_all_single"] = (start(), out)
+    outs = [empty(1) for _ in range(n)]
+    dist.all_to_all(outs, list(start().chunk(n)))      # the same with lists of tensors
+    seen["all_to_all"] = (start(), torch.cat(outs))
+    out = empty(1)
+    dist.scatter(out, list(start().chunk(n)) if rank == 0 else None, src=0)
+    seen["scatter(src=0)"] = (start() if rank == 0 else None, out)
+    gathered = [empty(n) for _ in range(n)] if rank == 0 else None
+    dist.gather(start(), gathered, dst=0)
+    seen["gather(dst=0)"] = (start(), torch.cat(gathered) if rank == 0 else None)
+    x = start()
+    work = dist.all_reduce(x, async_op=True)           # returns a Work handle at once
+    independent = torch.randn(64, 64, device=device) @ torch.randn(64, 64, device=device)  # overlaps with it
+    work.wait()
+    seen["all_reduce(async_op=True)"] = (start(), x)
+    return {op: tuple(None if t is None else t.cpu() for t in pair) for op, pair in seen.items()}
+
+
+def closed_forms(n):
+    """What rank r holds after each operation of `collectives_tour` on n ranks: {operation: [one per rank]}."""
+    x = [10 * (r + 1) + torch.arange(n, dtype=torch.float32) for r in range(n)]  # what rank r started with
+    total = torch.stack(x).sum(0)
+    column = [torch.stack([x[q][r] for q in range(n)]) for r in range(n)]        # element r of every rank
+    everywhere = lambda t: [t] * n  # noqa: E731
+    return {"broadcast(src=0)": everywhere(x[0]), "reduce(dst=0)": [total] + [None] * (n - 1),
+            "all_reduce(SUM)": everywhere(total), "all_reduce(AVG)": everywhere(total / n),
+            "all_reduce(MAX)": everywhere(torch.stack(x).amax(0)), "all_gather": everywhere(torch.cat(x)),
+            "all_gather_single": everywhere(torch.cat(x)), "reduce_scatter_single": [total[r:r + 1] for r in range(n)],
+            "all_to_all_single": column, "all_to_all": column, "scatter(src=0)": [x[0][r:r + 1] for r in range(n)],
+            "gather(dst=0)": [torch.cat(x)] + [None] * (n - 1), "all_reduce(async_op=True)": everywhere(total)}
+
+
+def tour_mismatches(seen, rank, n):
+    """The operations whose result on `rank` differs from its closed form (AVG divides: equal up to rounding)."""
+    expected = closed_forms(n)
+    wrong = sorted(set(seen) ^ set(expected))
+    for op, per_rank in expected.items():
+        want, got = per_rank[rank], seen.get(op, (None, None))[1]
+        if (want is None) != (got is None) or (want is not None and not torch.allclose(got, want, rtol=1e-6, atol=0)):
+            wrong.append(op)
+    return wrong
+
+
+def collectives_worker():
+    device = start_process_group()
+    try:
+        rank, n = dist.get_rank(), dist.get_world_size()
+        seen = collectives_tour(device)
+        mine = (10 * (rank + 1) + torch.arange(n, dtype=torch.float32)).to(device)
+        old_gather, old_scatter = torch.empty(n * n, device=device), torch.empty(1, device=device)
+        with warnings.catch_warnings(record=True) as caught:  # the names before torch 2.13
+            warnings.simplefilter("always")
+            dist.all_gather_into_tensor(old_gather, mine)
+            dist.reduce_scatter_tensor(old_scatter, mine)
+        time.sleep(0.2 * rank)  # barrier: rank r arrives 0.2 r s late; nobody may leave before the last arrives
+        arrived = time.time()
+        dist.barrier()
+        return {"seen": seen, "old_names": (old_gather.cpu(), old_scatter.cpu()), "arrived": arrived,
+                "left": time.time(), "warnings": [str(w.message) for w in caught
+                                                   if issubclass(w.category, FutureWarning)]}
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--elements-per-rank", type=int, default=250_000,
+                        help="int64 elements per rank in the ring's tensor (times the world size)")
+    args = parser.parse_args()
+    device = start_process_group()
+    try:
+        rank, n = dist.get_rank(), dist.get_world_size()
+        ring = ring_check(args.elements_per_rank, device)
+        for label, case in ring.items():
+            assert torch.equal(case["ring"], case["torch"]), f"rank {rank}: the ring differs from all_reduce ({label})"
+        sent, size = ring["divisible"]["ring_traffic"]["sent"], ring["divisible"]["size_bytes"]
+        assert sent * n == 2 * (n - 1) * size, f"rank {rank} sent {sent} bytes of {size}"
+        wrong = tour_mismatches(collectives_tour(device), rank, n)
+        assert not wrong, f"rank {rank}: {wrong} differ from their closed forms"
+        dist.barrier()  # every rank has passed its checks
+        if rank == 0:
+            print(f"summary: {n} ranks, {dist.get_backend()} on {device.type}: the ring all-reduce equals "
+                  f"dist.all_reduce, each rank sent 2(n-1)/n = {sent / size:.4f} of {size} bytes; "
+                  f"{len(closed_forms(n))} collectives equal their closed forms", flush=True)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+if __name__ == "__main__":
+    main()
