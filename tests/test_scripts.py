@@ -26,6 +26,8 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "rpc_parameter_server.py": ["--steps", "10", "--hidden", "32", "--depth", "1", "--samples", "500"],
     "train_amp.py": ["--steps", "4", "--batch", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2"],
     "train_ddp.py": ["--epochs", "1", "--hidden", "64", "--depth", "2", "--checkpoint", "digits_mlp.pt"],
+    "train_pipeline.py": ["--steps", "3", "--d-model", "64", "--layers", "2", "--microbatches", "4"],
+    "train_tp.py": ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "2"],
 }
 RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "5"))
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata"}

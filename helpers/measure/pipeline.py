@@ -1,0 +1,173 @@
+"""A pipeline schedule's bubble, counted from the order of actions it really ran, and the bytes it keeps for backward.
+
+Why count from the executed order: `torch.distributed.pipelining` schedules describe themselves in an IR
+(`schedule.pipeline_order`, with `None` for idle slots), but for the single-stage schedules (`ScheduleGPipe`,
+`Schedule1F1B`) that IR is only a drawing: their `step` runs its own loop, and in torch 2.13 the IR of `Schedule1F1B`
+even names micro-batch 1 first on the last stage. What a schedule does is the sequence of `forward_one_chunk` /
+`backward_one_chunk` calls each stage makes, so `record_actions` wraps those two methods of a `PipelineStage` and
+records (stage, 'F' or 'B', micro-batch, start, end) as they run. `replay` then puts each rank's sequence on a
+clock where every action takes one slot (or the costs given) and each action waits for the one it depends on
+(F of a micro-batch on the previous stage, B on the next stage): the idle slots it counts are the schedule's
+bubble, to compare with the closed form (p - 1)/(v·m + p - 1). The recorded times give the measured idle time.
+
+`LiveSavedBytes` counts the bytes autograd holds for backward at each moment (saved tensors packed and not yet
+released) and keeps the peak: the activation memory that distinguishes GPipe (all m micro-batches in flight) from
+1F1B (at most p - s on stage s).
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+Action = tuple  # (stage, kind 'F' or 'B', micro-batch)
+
+
+def bubble_formula(stages: int, microbatches: int, chunks_per_rank: int = 1) -> float:
+    """Idle fraction of a synchronous pipeline step with equal stages: (p - 1)/(v·m + p - 1), p = ranks."""
+    p = stages // chunks_per_rank
+    return (p - 1) / (chunks_per_rank * microbatches + p - 1)
+
+
+def record_actions(stage, log: list) -> None:
+    """Wrap `stage.forward_one_chunk` and `stage.backward_one_chunk` so each call appends
+    (stage_index, 'F' or 'B', micro-batch, start_s, end_s) to `log` (time.perf_counter, comparable across
+    processes of one machine)."""
+    for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+        original = getattr(stage, method)
+
+        @functools.wraps(original)
+        def timed(mb, *args, __original=original, __kind=kind, **kwargs):
+            start = time.perf_counter()
+            try:
+                return __original(mb, *args, **kwargs)
+            finally:
+                log.append((stage.stage_index, __kind, int(mb), start, time.perf_counter()))
+
+        setattr(stage, method, timed)
+
+
+def replay(orders: dict[int, list[Action]], forward_cost: float = 1.0, backward_cost: float = 1.0) -> dict:
+    """Run each rank's actions in its order on a shared clock, each waiting for what it depends on.
+
+    orders: {rank: [(stage, 'F' or 'B', micro-batch), ...]} in the order the rank executed them.
+    Dependencies: F(s, mb) after F(s-1, mb); B(s, mb) after B(s+1, mb), or after F(s, mb) on the last stage.
+    Returns {'makespan', 'busy': {rank: time}, 'idle': {rank: time}, 'idle_fraction'}. Raises ValueError when no
+    rank can proceed (an order that cannot run).
+    """
+    last_stage = max(a[0] for acts in orders.values() for a in acts)
+    done: dict[Action, float] = {}
+    clock = {r: 0.0 for r in orders}
+    busy = {r: 0.0 for r in orders}
+    position = {r: 0 for r in orders}
+    remaining = sum(len(a) for a in orders.values())
+    while remaining:
+        progressed = False
+        for r, acts in orders.items():
+            while position[r] < len(acts):
+                stage, kind, mb = acts[position[r]]
+                if kind == "F":
+                    dep = (stage - 1, "F", mb) if stage > 0 else None
+                else:
+                    dep = (stage + 1, "B", mb) if stage < last_stage else (stage, "F", mb)
+                if dep is not None and dep not in done:
+                    break
+                cost = forward_cost if kind == "F" else backward_cost
+                start = max(clock[r], done[dep] if dep is not None else 0.0)
+                done[(stage, kind, mb)] = clock[r] = start + cost
+                busy[r] += cost
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: acts[position[r]] for r, acts in orders.items() if position[r] < len(acts)}
+            raise ValueError(f"no rank can proceed; next actions: {stuck}")
+    makespan = max(clock.values())
+    idle = {r: makespan - busy[r] for r in orders}
+    return {"makespan": makespan, "busy": busy, "idle": idle,
+            "idle_fraction": sum(idle.values()) / (len(orders) * makespan)}
+
+
+def orders_from_log(logs: dict[int, list[tuple]]) -> dict[int, list[Action]]:
+    """{rank: recorded (stage, kind, mb, start, end) tuples} -> {rank: [(stage, kind, mb)]} in execution order."""
+    return {r: [(s, k, mb) for s, k, mb, *_ in sorted(log, key=lambda e: e[3])] for r, log in logs.items()}
+
+
+def orders_from_ir(pipeline_order: dict[int, list]) -> dict[int, list[Action]]:
+    """A schedule's own IR (`schedule.pipeline_order`: {rank: [action or None]}, actions printed like '0F1' or
+    '1B0') -> {rank: [(stage, kind, mb)]}, keeping forwards and full backwards, dropping idle slots and the rest."""
+    import re
+
+    pattern = re.compile(r"^(\d+)(F|B)(\d+)$")
+    orders = {}
+    for rank, actions in pipeline_order.items():
+        parsed = [pattern.match(str(a)) for a in actions if a is not None]
+        orders[int(rank)] = [(int(m[1]), m[2], int(m[3])) for m in parsed if m]
+    return orders
+
+
+def measured_idle_fraction(logs: dict[int, list[tuple]]) -> float:
+    """1 - (time the ranks spent in forward/backward) / (ranks x the step's wall time, first start to last end)."""
+    events = [e for log in logs.values() for e in log]
+    wall = max(e[4] for e in events) - min(e[3] for e in events)
+    busy = sum(e[4] - e[3] for e in events)
+    return 1.0 - busy / (len(logs) * wall)
+
+
+class _Saved:
+    """What the pack hook hands autograd: the tensor, and a release of its bytes when autograd lets it go."""
+
+    __slots__ = ("tensor", "_release")
+
+    def __init__(self, tensor, release):
+        self.tensor, self._release = tensor, release
+
+    def __del__(self):
+        self._release()
+
+
+class LiveSavedBytes:
+    """Bytes of tensors autograd holds for backward at one moment, and the peak, parameters excluded.
+
+    A saved tensor is counted (its own elements, `numel * element_size`, so a micro-batch that is a view of the
+    batch counts its part only) from the moment it is saved (the pack hook of `saved_tensors_hooks`) until
+    autograd drops it (after the backward that used it, or when its graph is freed). A tensor saved by two ops
+    counts twice: the measure is what each op keeps, identical for every micro-batch of one stage, so that a
+    schedule's peak is an exact multiple of one micro-batch's. Works on CPU and counts activations only.
+
+        meter = LiveSavedBytes()
+        with meter:
+            schedule.step(...)
+        meter.peak
+    """
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+        self._hooks = None
+
+    def _release(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+    def _pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if isinstance(base, torch.nn.Parameter) or t.device.type == "meta":
+            return t
+        nbytes = t.numel() * t.element_size()
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        return _Saved(t, functools.partial(self._release, nbytes))
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def __enter__(self) -> "LiveSavedBytes":
+        self.current = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

@@ -1,0 +1,126 @@
+"""Figures of notebooks 07 and 08 (tensor, 2-D and pipeline parallelism): where shards live, what a strategy
+costs per step, and a pipeline's bubble.
+
+Each function takes what the workers measured (plain dicts and lists) and the formula to draw beside it; none
+measures.
+"""
+from __future__ import annotations
+
+from helpers.plots import new_figure
+
+_RANK_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
+
+
+def owner_sets(results: list[dict], name: str) -> list[tuple[int, ...]]:
+    """For each element of parameter `name` (flat, row-major), the ranks that hold it.
+
+    results: one dict per rank with 'rank' and 'owners' {name: 1-D tensor or list of the global flat indices of
+    the elements that rank holds}.
+    """
+    numel = max(int(max(r["owners"][name].tolist(), default=-1)) for r in results) + 1
+    held: list[list[int]] = [[] for _ in range(numel)]
+    for r in sorted(results, key=lambda r: r["rank"]):
+        for i in r["owners"][name].tolist():
+            held[int(i)].append(r["rank"])
+    return [tuple(h) for h in held]
+
+
+def shard_owners(results: list[dict], names: list[str]):
+    """One panel per parameter: the tensor drawn as a grid (1-D tensors as one row), each element coloured by the
+    set of ranks that hold it. Titles carry the shape and the DTensor placements.
+
+    results: per rank {'rank', 'owners': {name: flat indices held}, 'shapes': {name: shape},
+        'placements': {name: str}}.
+    """
+    import matplotlib.colors as mcolors
+    import numpy as np
+
+    fig, axes = new_figure(ncols=len(names), width=2.6, height=2.8)
+    palette: dict[tuple[int, ...], str] = {}
+    for ax, name in zip(axes, names):
+        shape = tuple(results[0]["shapes"][name])
+        rows, cols = (1, shape[0]) if len(shape) == 1 else (shape[0], int(np.prod(shape[1:])))
+        sets = owner_sets(results, name)
+        for s in sets:
+            if s not in palette:
+                palette[s] = _RANK_COLORS[s[0] % len(_RANK_COLORS)] if len(s) == 1 else \
+                    mcolors.to_hex(np.mean([mcolors.to_rgb(_RANK_COLORS[k % len(_RANK_COLORS)]) for k in s], axis=0))
+        keys = list(palette)
+        image = np.array([keys.index(s) for s in sets]).reshape(rows, cols)
+        ax.imshow(image, cmap=mcolors.ListedColormap([palette[k] for k in keys]), vmin=-0.5,
+                  vmax=len(keys) - 0.5, aspect="auto", interpolation="nearest")
+        ax.set_title(f"{name}\n{list(shape)}  {results[0]['placements'][name]}", fontsize=6.5)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.grid(False)
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(color=c, label="rank " + " + ".join(map(str, s))) for s, c in palette.items()],
+               loc="outside lower center", ncols=min(len(palette), 6), fontsize=7)
+    fig.suptitle("which ranks hold each element (mesh dims: dp x tp)", fontsize=9)
+    return fig
+
+
+def step_times(cost: dict[str, dict], unit: float = 1e-3, unit_name: str = "ms"):
+    """Median step time per strategy with its quartiles as an error bar, and the bytes one rank sends beside it.
+
+    cost: {label: {'seconds': [per-step seconds], 'bytes_sent': bytes per step}}.
+    """
+    import statistics
+
+    fig, (ax_t, ax_b) = new_figure(ncols=2, width=3.6, height=3.2)
+    for x, (label, r) in enumerate(cost.items()):
+        s = sorted(r["seconds"])
+        q = statistics.quantiles(s, n=4, method="inclusive") if len(s) >= 2 else [s[0]] * 3
+        med = statistics.median(s)
+        ax_t.bar(x, med / unit, 0.6, color=_RANK_COLORS[x])
+        ax_t.errorbar(x, med / unit, yerr=[[(med - q[0]) / unit], [(q[2] - med) / unit]], color="black", capsize=4)
+        ax_b.bar(x, r["bytes_sent"] / 2**20, 0.6, color=_RANK_COLORS[x])
+    for ax in (ax_t, ax_b):
+        ax.set_xticks(range(len(cost)), list(cost))
+    ax_t.set_ylabel(f"step time ({unit_name}), median and quartiles")
+    ax_b.set_ylabel("MiB sent per rank per step (ring)")
+    ax_t.set_title("step time (this machine, not a GPU node)", fontsize=9)
+    ax_b.set_title("bytes communicated", fontsize=9)
+    return fig
+
+
+def bubble(rows: list[dict]):
+    """Idle fraction of a pipeline step against the number of micro-batches m: the schedules' counted bubble, the
+    formula (p - 1)/(m + p - 1) (or its interleaved form), and the measured idle time as points.
+
+    rows: {'schedule', 'm', 'counted', 'formula', 'measured' (or None)}.
+    """
+    fig, (ax,) = new_figure(width=6.4, height=3.6)
+    for i, name in enumerate(dict.fromkeys(r["schedule"] for r in rows)):
+        mine = sorted((r for r in rows if r["schedule"] == name), key=lambda r: r["m"])
+        color = _RANK_COLORS[i % len(_RANK_COLORS)]
+        ms = [r["m"] for r in mine]
+        ax.plot(ms, [r["formula"] for r in mine], color=color, lw=1, ls="--")
+        ax.plot(ms, [r["counted"] for r in mine], "o", color=color, mfc="none", label=f"{name}: counted (formula dashed)")
+        measured = [(r["m"], r["measured"]) for r in mine if r.get("measured") is not None]
+        if measured:
+            ax.plot(*zip(*measured), "x", color=color, ms=7, label=f"{name}: measured idle time")
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("idle fraction of the step")
+    ax.set_ylim(0, 1)
+    ax.set_title("pipeline bubble", fontsize=10)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def timeline(events: dict[int, list[tuple]], title: str = ""):
+    """Each rank's actions over time as bars: events {rank: [(start_s, end_s, label)]}; forward light, backward dark."""
+    fig, (ax,) = new_figure(width=7.0, height=0.5 + 0.5 * len(events))
+    t0 = min(e[0] for evs in events.values() for e in evs)
+    for rank, evs in events.items():
+        for start, end, label in evs:
+            color = "#8DB0DE" if label.startswith("F") else "#2E5A88"
+            ax.barh(rank, end - start, left=start - t0, color=color, edgecolor="white", height=0.7)
+            ax.annotate(label, ((start + end) / 2 - t0, rank), ha="center", va="center", fontsize=6,
+                        color="black" if label.startswith("F") else "white")
+    ax.set_yticks(sorted(events), [f"rank {r}" for r in sorted(events)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the step began")
+    ax.set_title(title, fontsize=10)
+    return fig

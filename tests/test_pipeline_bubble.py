@@ -1,0 +1,80 @@
+"""The pipeline bubble counted by replaying orders of actions, checked on orders written out by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, measured_idle_fraction, orders_from_ir,
+                                      orders_from_log, replay)
+
+
+def gpipe(p: int, m: int) -> dict:
+    return {s: [(s, "F", i) for i in range(m)] + [(s, "B", i) for i in range(m)] for s in range(p)}
+
+
+def one_f_one_b(p: int, m: int) -> dict:
+    orders = {}
+    for s in range(p):
+        warmup = min(p - 1 - s, m)
+        acts = [(s, "F", i) for i in range(warmup)]
+        f, b = warmup, 0
+        while f < m:
+            acts += [(s, "F", f), (s, "B", b)]
+            f, b = f + 1, b + 1
+        acts += [(s, "B", i) for i in range(b, m)]
+        orders[s] = acts
+    return orders
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b], ids=["gpipe", "1f1b"])
+def test_replayed_bubble_is_the_closed_form(make, p, m):
+    result = replay(make(p, m))
+    assert math.isclose(result["idle_fraction"], bubble_formula(p, m), abs_tol=1e-12)
+    assert result["makespan"] == 2 * (m + p - 1)
+
+
+def test_backward_twice_as_long_keeps_the_fraction():
+    assert math.isclose(replay(gpipe(4, 6), backward_cost=2.0)["idle_fraction"], bubble_formula(4, 6))
+
+
+def test_an_order_that_cannot_run_is_refused():
+    orders = {0: [(0, "B", 0), (0, "F", 0)], 1: [(1, "F", 0), (1, "B", 0)]}
+    with pytest.raises(ValueError, match="no rank can proceed"):
+        replay(orders)
+
+
+def test_interleaved_formula_reduces_to_the_plain_one():
+    assert bubble_formula(4, 8, 1) == 3 / 11
+    assert bubble_formula(8, 8, 2) == 3 / 19  # 4 ranks with 2 stages each
+
+
+def test_orders_and_idle_time_from_a_recorded_log():
+    logs = {0: [(0, "B", 0, 3.0, 4.0), (0, "F", 0, 0.0, 1.0)], 1: [(1, "F", 0, 1.0, 2.0), (1, "B", 0, 2.0, 3.0)]}
+    assert orders_from_log(logs) == {0: [(0, "F", 0), (0, "B", 0)], 1: [(1, "F", 0), (1, "B", 0)]}
+    assert measured_idle_fraction(logs) == 0.5  # 4 busy seconds out of 2 ranks x 4 s
+
+
+def test_live_saved_bytes_peak_and_release():
+    w = torch.nn.Parameter(torch.ones(256))
+    meter = LiveSavedBytes()
+    with meter:
+        losses = []
+        for _ in range(3):
+            x = torch.ones(256, requires_grad=True)
+            losses.append(((x * 2) * w).sum())   # saves x*2 (1 KiB); w is a parameter, not counted
+        held = meter.current
+        for loss in losses:
+            loss.backward()
+    assert held == 3 * 256 * 4 and meter.peak == held
+    assert meter.current == 0, "backward released what it used"
+
+
+def test_orders_from_the_schedules_ir_keep_forwards_and_backwards():
+    ir = {0: ["0F0", None, "0F1", "0B0", "0B1", "0REDUCE_GRAD"], 1: [None, "1F0", "1B0", "1F1", "1B1"]}
+    assert orders_from_ir(ir) == {0: [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)],
+                                  1: [(1, "F", 0), (1, "B", 0), (1, "F", 1), (1, "B", 1)]}
+    assert replay(orders_from_ir(ir))["idle_fraction"] == bubble_formula(2, 2)

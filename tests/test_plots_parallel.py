@@ -1,0 +1,39 @@
+"""The parallelism figures draw what they are given: owners per element, one bar per strategy, one point per run."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import torch  # noqa: E402
+
+from helpers.plots import parallel as parallel_plots  # noqa: E402
+
+
+def _two_by_two():
+    # a 4 x 2 weight: rows 0-1 on ranks 0 and 1 (replicated), rows 2-3 split by column between ranks 2 and 3
+    owners = {0: [0, 1, 2, 3], 1: [0, 1, 2, 3], 2: [4, 6], 3: [5, 7]}
+    return [{"rank": r, "owners": {"w": torch.tensor(idx)}, "shapes": {"w": (4, 2)}, "placements": {"w": "(?)"}}
+            for r, idx in owners.items()]
+
+
+def test_owner_sets_list_every_rank_holding_an_element():
+    assert parallel_plots.owner_sets(_two_by_two(), "w") == [(0, 1)] * 4 + [(2,), (3,), (2,), (3,)]
+
+
+def test_shard_owners_one_panel_per_parameter_and_one_legend_entry_per_owner_set():
+    fig = parallel_plots.shard_owners(_two_by_two(), ["w"])
+    assert len(fig.axes) == 1 and fig.axes[0].images[0].get_array().shape == (4, 2)
+    assert len(fig.legends[0].get_texts()) == 3
+
+
+def test_step_times_bubble_and_timeline():
+    fig = parallel_plots.step_times({"TP": {"seconds": [0.1, 0.2, 0.3], "bytes_sent": 2**20},
+                                     "FSDP": {"seconds": [0.2], "bytes_sent": 2**21}})
+    assert [len(ax.patches) for ax in fig.axes] == [2, 2]
+    rows = [{"schedule": "gpipe", "m": m, "counted": 1 / (m + 1), "formula": 1 / (m + 1), "measured": 0.5}
+            for m in (1, 2, 4)]
+    fig = parallel_plots.bubble(rows)
+    assert len(fig.axes[0].lines) == 3 and list(fig.axes[0].lines[1].get_xdata()) == [1, 2, 4]
+    fig = parallel_plots.timeline({0: [(0.0, 1.0, "F0"), (1.0, 3.0, "B0")], 1: [(1.0, 2.0, "F0")]})
+    assert len(fig.axes[0].patches) == 3
