@@ -21,6 +21,8 @@ from helpers.paths import SCRIPTS
 
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.
 SMOKE_ARGS: dict[str, list[str]] = {
+    "dcp_resume.py": ["--total-steps=4", "--save-every=2", "--async-save", "--d-model=32", "--n-layers=1"],
+    "elastic_train.py": ["--total-steps=4", "--save-every=2", "--d-model=32", "--n-layers=1"],
 }
 RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "5"))
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata"}
