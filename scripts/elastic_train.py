@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -214,7 +215,7 @@ def train_from_checkpoint(ckpt_dir, total_steps=40, save_every=10, keep=2, async
                 continue
             loss = train_step(app, x, y, device, seed)
             losses[app.step] = loss
-            log.write(json.dumps({"step": app.step, "loss": loss, "attempt": attempt}) + "\n")
+            log.write(json.dumps({"step": app.step, "loss": loss, "attempt": attempt, "time": time.time()}) + "\n")
             log.flush()
             save_now = app.step % save_every == 0 or app.step == total_steps
             if pending is not None and (save_now or pending[0].done()):
