@@ -1,17 +1,17 @@
-"""Unit tests of helpers.measure.disk."""
+"""Unit tests of helpers.measure.disk: the disk's rate, byte counting, and the summary of a checkpoint's costs."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
-from helpers.measure import disk as checkpoint_io
+from helpers.measure import disk
 
 
-def test_disk_rates_are_positive_and_leave_nothing_behind(tmp_path):
-    writes = checkpoint_io.disk_write_rate(tmp_path, 1 << 20, repeats=2)
-    reads = checkpoint_io.disk_read_rate(tmp_path, 1 << 20, repeats=2)
-    assert len(writes) == 2 and all(r > 0 for r in writes + reads)
+def test_disk_write_rate_is_positive_and_leaves_nothing_behind(tmp_path):
+    writes = disk.disk_write_rate(tmp_path, 1 << 20, repeats=2)
+    assert len(writes) == 2 and all(r > 0 for r in writes)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -19,13 +19,14 @@ def test_directory_bytes(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 100)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b").write_bytes(b"y" * 23)
-    assert checkpoint_io.directory_bytes(tmp_path) == 123
+    assert disk.directory_bytes(tmp_path) == 123
 
 
-def test_state_bytes_counts_tensors_in_nested_state():
+def test_state_bytes_counts_tensors_in_nested_state_and_stateful_objects():
     state = {"model": {"w": torch.zeros(10), "b": torch.zeros(3, dtype=torch.float16)},
              "optim": [torch.zeros(2, dtype=torch.float64)], "step": 7, "name": "x"}
-    assert checkpoint_io.state_bytes(state) == 40 + 6 + 16
+    assert disk.state_bytes(state) == 40 + 6 + 16
+    assert disk.state_bytes({"app": torch.nn.Linear(3, 2)}) == (6 + 2) * 4  # a Stateful counts its state_dict()
 
 
 def test_state_bytes_counts_the_local_shard_of_a_dtensor():
@@ -33,6 +34,40 @@ def test_state_bytes_counts_the_local_shard_of_a_dtensor():
     try:
         mesh = init_device_mesh("cpu", (1,))
         d = DTensor.from_local(torch.zeros(5), mesh, [Shard(0)])
-        assert checkpoint_io.state_bytes({"p": d}) == 20
+        assert disk.state_bytes({"p": d}) == 20
     finally:
         dist.destroy_process_group()
+
+
+def test_summarize_costs_takes_the_slowest_rank_and_ratios_side_by_side():
+    fast = dict(zip(disk.OPS, ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.5, 0.5, 0.5], [2.0, 2.0, 2.0], [1.0] * 3)))
+    slow = dict(zip(disk.OPS, ([1.0, 2.0, 1.0], [4.0, 2.0, 2.0], [0.5, 1.0, 0.2], [2.0, 2.0, 2.0], [1.0] * 3)))
+    s = disk.summarize_costs([{"times": fast, "held_bytes": 100, "on_disk": 210},
+                              {"times": slow, "held_bytes": 100, "on_disk": None}])
+    assert s["state_bytes"] == 200 and s["on_disk"] == 210
+    assert s["seconds"]["dcp.save"] == [4.0, 2.0, 2.0]
+    assert s["ratios"]["save_vs_disk"]["values"] == [0.25, 1.0, 0.5]  # disk seconds / save seconds, per repeat
+    assert s["ratios"]["blocking_share"]["values"] == [0.125, 0.5, 0.25]
+    assert s["ratios"]["save_vs_disk"]["median"] == 0.5 and s["rate"]["dcp.save"] == 200 / 2.0
+    low, high = s["ratios"]["save_vs_disk"]["interval"]
+    assert 0.25 <= low <= 0.5 <= high <= 1.0
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_costs_runs_on_two_ranks(tmp_path):
+    import functools
+
+    from helpers.launcher import launch
+
+    results = launch(disk.checkpoint_costs, functools.partial(_linear_state, 64), str(tmp_path), 2, world_size=2)
+    assert [sorted(r["times"]) for r in results] == [sorted(disk.OPS)] * 2
+    assert all(len(v) == 2 and min(v) > 0 for r in results for v in r["times"].values())
+    assert results[0]["held_bytes"] == 64 * 64 * 4 and results[0]["on_disk"] >= 2 * 64 * 64 * 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk0", "disk1"]  # checkpoints removed, probes too
+    assert all(list(p.iterdir()) == [] for p in tmp_path.iterdir())
+
+
+def _linear_state(width):
+    # each rank holds its own weight under one key per rank: the files hold both
+    rank = dist.get_rank()
+    return {f"w{rank}": torch.full((width, width), float(rank))}

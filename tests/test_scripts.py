@@ -22,6 +22,8 @@ from helpers.paths import SCRIPTS
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.
 SMOKE_ARGS: dict[str, list[str]] = {
     "collectives.py": ["--elements-per-rank", "1000"],
+    "dcp_resume.py": ["--total-steps=4", "--save-every=2", "--async-save", "--d-model=32", "--n-layers=1"],
+    "elastic_train.py": ["--total-steps=4", "--save-every=2", "--d-model=32", "--n-layers=1"],
     "hello_distributed.py": [],
     "rpc_parameter_server.py": ["--steps", "10", "--hidden", "32", "--depth", "1", "--samples", "500"],
     "train_amp.py": ["--steps", "4", "--batch", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2"],

@@ -1,18 +1,28 @@
-"""The disk's own rates and the bytes a checkpoint holds: the ceiling a checkpoint's throughput is judged against.
+"""A checkpoint's cost against the disk it lands on: the disk's own fsync'd write rate, a DCP save, an async save,
+a load, all measured in one run on the same state.
 
-Why: "DCP saved at X MB/s" means little alone. The same process, in the same run, writes a plain file of the same
-size with `fsync` (what `FileSystemWriter(sync_files=True)`, DCP's default, waits for), and reads it back. A save
-far below that rate is spending its time elsewhere (planning, pickling, collectives); one above it was not
-waiting for the disk (fsync off, or a cache answering). Reads here are usually served from the page cache: the
-read figure is a memory-copy ceiling, not a disk one, and the notebook says so.
+Why: "DCP saved at X MB/s" means little alone. The same processes, in the same run, write plain files of the same
+size with `fsync` (what `FileSystemWriter(sync_files=True)`, DCP's default, waits for). A save far below that rate
+spends its time elsewhere (planning, pickling, collectives); one far above it was not waiting for the disk (fsync
+off, or a cache answering). Fixed costs (planning, metadata, the collectives) dominate a small state, so the state
+measured must be large (hundreds of MB on a GPU) for the ratio to say anything about the writing.
+
+`checkpoint_costs` is the harness a notebook launches on every rank: it owns the process group and the timing
+loop, and takes the plain recipe (`make_state`, which builds the model, optimizer and the Stateful app state) from
+outside, so the recipe stays free of measuring code. Byte counting of local shards is `helpers.measure.memory`'s.
 """
 from __future__ import annotations
 
+import gc
 import os
+import shutil
 import time
 from pathlib import Path
 
 import torch
+
+from helpers.measure.claims import median_interval
+from helpers.measure.memory import tensor_bytes
 
 CHUNK = 8 << 20
 
@@ -39,39 +49,102 @@ def disk_write_rate(directory: str | os.PathLike, nbytes: int, repeats: int = 3)
     return rates
 
 
-def disk_read_rate(directory: str | os.PathLike, nbytes: int, repeats: int = 3) -> list[float]:
-    """Bytes per second of reading back a file of `nbytes` just written (page cache, as a DCP load right after a
-    save is)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f".disk_probe_read_{os.getpid()}"
-    with open(path, "wb") as f:
-        f.write(os.urandom(min(CHUNK, max(1, nbytes))) * (nbytes // CHUNK + 1))
-    rates = []
-    try:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            with open(path, "rb") as f:
-                while f.read(CHUNK):
-                    pass
-            rates.append(path.stat().st_size / (time.perf_counter() - start))
-    finally:
-        path.unlink()
-    return rates
-
-
 def directory_bytes(path: str | os.PathLike) -> int:
     """Total size of the files under `path` (a checkpoint folder)."""
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 def state_bytes(state) -> int:
-    """Bytes of the tensors this rank holds in a (nested) state dict: a DTensor counts its local shard only."""
+    """Bytes of the tensors this rank holds in a (nested) state dict; a Stateful counts its `state_dict()`, and a
+    DTensor its local shard only (`memory.tensor_bytes`)."""
+    if isinstance(state, torch.Tensor):
+        return tensor_bytes(state)
     if isinstance(state, dict):
         return sum(state_bytes(v) for v in state.values())
     if isinstance(state, (list, tuple)):
         return sum(state_bytes(v) for v in state)
-    if isinstance(state, torch.Tensor):
-        local = state.to_local() if hasattr(state, "to_local") else state
-        return local.numel() * local.element_size()
+    if callable(getattr(state, "state_dict", None)):
+        return state_bytes(state.state_dict())
     return 0
+
+
+OPS = ("disk write + fsync", "dcp.save", "async_save (blocking)", "async_save (until written)", "dcp.load")
+
+
+def checkpoint_costs(make_state, root: str, repeats: int = 3) -> dict:
+    """Launch on every rank: seconds of each of `OPS` per repeat for the state `make_state()` builds.
+
+    The process group is "cpu:gloo,cuda:nccl" on GPUs (DCP's collectives on the CPU side, training's on NCCL)
+    with `device_id`, else gloo. async_save gets its own gloo group: its collectives run in a background thread and
+    must never interleave with the training loop's on the default group. Repeats interleave the operations, so a
+    busy neighbour slows them alike; each rank writes as many disk bytes as it holds tensor bytes, at the same
+    time as the others. Returns plain values.
+    """
+    import torch.distributed as dist
+
+    from helpers.devices import default_backend, rank_device
+
+    device = rank_device()
+    if default_backend() == "nccl":
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    try:
+        return _costs(make_state, device, Path(root), repeats)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _costs(make_state, device, root: Path, repeats: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from helpers.measure.timing import timed
+
+    rank = dist.get_rank()
+    state = make_state()
+    async_group = dist.new_group(backend="gloo")
+    nbytes = state_bytes(state)
+    times = {op: [] for op in OPS}
+    on_disk = None
+    for i in range(repeats):
+        sync_dir, async_dir = str(root / f"sync{i}"), str(root / f"async{i}")
+        _, t = timed(lambda: disk_write_rate(root / f"disk{rank}", nbytes, repeats=1), device)
+        times["disk write + fsync"].append(t)
+        _, t = timed(lambda: dcp.save(state, checkpoint_id=sync_dir), device)
+        times["dcp.save"].append(t)
+        future, t = timed(lambda: dcp.async_save(state, checkpoint_id=async_dir, process_group=async_group), device)
+        times["async_save (blocking)"].append(t)
+        start = time.perf_counter()
+        future.result()  # at most one save in flight
+        times["async_save (until written)"].append(t + time.perf_counter() - start)
+        _, t = timed(lambda: dcp.load(state, checkpoint_id=sync_dir), device)
+        times["dcp.load"].append(t)
+        dist.barrier()
+        if rank == 0:
+            on_disk = on_disk or directory_bytes(sync_dir)
+            shutil.rmtree(sync_dir)
+            shutil.rmtree(async_dir)
+    return {"times": times, "held_bytes": nbytes, "on_disk": on_disk, "device": str(device)}
+
+
+def summarize_costs(results: list[dict]) -> dict:
+    """Per operation the slowest rank's seconds per repeat (training waits for it) and their median; the two ratios
+    taken side by side in each repeat, with the median and a bootstrap interval of it:
+
+    - `save_vs_disk`: dcp.save's rate over the disk's fsync'd write rate (1 = the save runs at the disk's speed),
+    - `blocking_share`: how long async_save blocked the caller, over a synchronous save's time.
+    """
+    import statistics
+
+    slowest = {op: [max(r["times"][op][i] for r in results) for i in range(len(results[0]["times"][op]))]
+               for op in OPS}
+    ratios = {"save_vs_disk": [d / s for d, s in zip(slowest["disk write + fsync"], slowest["dcp.save"])],
+              "blocking_share": [b / s for b, s in zip(slowest["async_save (blocking)"], slowest["dcp.save"])]}
+    total = sum(r["held_bytes"] for r in results)
+    return {"state_bytes": total, "on_disk": results[0]["on_disk"], "seconds": slowest,
+            "median_s": {op: statistics.median(v) for op, v in slowest.items()},
+            "rate": {op: total / statistics.median(v) for op, v in slowest.items()},
+            "ratios": {k: {"median": statistics.median(v), "interval": median_interval(v), "values": v}
+                       for k, v in ratios.items()}}

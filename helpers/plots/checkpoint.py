@@ -5,21 +5,22 @@ from __future__ import annotations
 from helpers.plots import new_figure
 
 
-def save_costs(rates: dict[str, float], blocking: dict[str, float]):
-    """Left: bytes per second of the disk (fsync), a DCP save and a DCP load. Right: how long the training loop
-    is blocked by a synchronous save, by an async save, and how long the async save takes to finish."""
+def save_costs(summary: dict):
+    """Left: bytes per second of the disk (write + fsync), a DCP save and a DCP load, all ranks together. Right:
+    how long a synchronous save, and an async save, block the training loop, and how long the async save takes
+    until written. `summary` is `helpers.measure.disk.summarize_costs`'s."""
     fig, (ax_rate, ax_block) = new_figure(2, width=5.4)
-    labels = list(rates)
-    colors = ["tab:gray" if "disk" in k or "read" in k else "tab:blue" for k in labels]
-    ax_rate.barh(range(len(labels)), [rates[k] / 2.0 ** 20 for k in labels], color=colors)
+    labels = ["disk write + fsync", "dcp.save", "dcp.load"]
+    ax_rate.barh(range(len(labels)), [summary["rate"][k] / 2.0 ** 20 for k in labels],
+                 color=["tab:gray", "tab:blue", "tab:blue"])
     ax_rate.set_yticks(range(len(labels)), labels)
     ax_rate.invert_yaxis()
     ax_rate.set_xlabel("MiB/s, all ranks together (median)")
-    ax_rate.set_title("checkpoint throughput against the disk")
-    labels = list(blocking)
-    ax_block.bar(range(len(labels)), [blocking[k] * 1e3 for k in labels],
-                 color=["tab:red", "tab:green", "tab:olive"][:len(labels)])
-    ax_block.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax_rate.set_title(f"checkpoint of {summary['state_bytes'] / 2 ** 20:.0f} MiB against the disk")
+    labels = ["dcp.save", "async_save (blocking)", "async_save (until written)"]
+    ax_block.bar(range(len(labels)), [summary["median_s"][k] * 1e3 for k in labels],
+                 color=["tab:red", "tab:green", "tab:olive"])
+    ax_block.set_xticks(range(len(labels)), [k.replace(" (", "\n(") for k in labels], fontsize=8)
     ax_block.set_ylabel("ms (median, slowest rank)")
     ax_block.set_title("a save: what blocks training, and in all")
     return fig
