@@ -21,6 +21,7 @@ from helpers.paths import SCRIPTS
 
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.
 SMOKE_ARGS: dict[str, list[str]] = {
+    "train_fsdp.py": ["--steps", "5", "--layers", "1", "--d-model", "32", "--batch", "4", "--accum", "2"],
 }
 RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "5"))
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata"}
