@@ -34,3 +34,20 @@ def test_collective_bars_and_loss_curve():
     fig = fsdp_plots.loss_curve([4.0 - 0.1 * i for i in range(20)], {"ln V": 4.6}, window=5)
     lines = fig.axes[0].lines
     assert len(lines[0].get_xdata()) == 20 and len(lines[1].get_xdata()) == 16
+
+
+def test_tables_lay_out_what_they_are_given():
+    ref = {"default": {"losses": [1.0, 2.0], "ref_losses": [1.0, 2.5], "relative_gap": 1e-4,
+                       "worst": (3e-5, "blocks.0.self_attn.in_proj_bias", 5)}}
+    text = fsdp_plots.reference_table(ref, attention_width=4)
+    assert "5.00e-01" in text and "(key part)" in text and text.count("\n") == 1
+    column = {"weight_in_forward": "torch.float32", "output": "torch.float32", "sharded": "torch.float32",
+              "grad_dtype": "torch.float32", "collectives": {"all_gather": {"bytes": 1024},
+                                                             "reduce_scatter": {"bytes": 2048}},
+              "state": {"parameters": 1, "gradients": 2, "optimizer": 3}, "activations": 4096, "losses": [3, 2, 1]}
+    text = fsdp_plots.precision_table({"fp32": column, "bf16": {**column, "output": "torch.bfloat16"}})
+    assert "bfloat16" in text and "1,024" in text and "2.0000" in text and text.count("\n") == 9
+    rank = {"rank": 0, "DDP": {"allocated": {"parameters": 4, "gradients": 4, "optimizer": 8}, "activations": 7},
+            "FSDP": {"allocated": {"parameters": 2, "gradients": 2, "optimizer": 4}, "activations": 7}}
+    text = fsdp_plots.state_table({2: [rank]}, psi=1, padding={2: 0})
+    assert "16" in text and "padding at N = 2: 0" in text and text.count("\n") == 3

@@ -94,3 +94,55 @@ def loss_curve(losses: list[float], levels: dict[str, float] | None = None, wind
     ax.set_title("TinyGPT trained with FSDP2 on CPython's language reference")
     ax.legend(fontsize=8)
     return fig
+
+
+# Tables: the notebook prints what the workers measured; these lay the rows out so its cells show only the call.
+
+def reference_table(results: dict[str, dict], attention_width: int) -> str:
+    """One row per FSDP variant: the largest loss gap to the single-process reference, the parameters' gap
+    relative to the distance the reference travelled, and the element that differs most (with which of q/k/v
+    it is when it sits in an attention's `in_proj_bias`, whose parts are `attention_width` long)."""
+    lines = [f"{'variant':<32} {'max |loss - reference|':>22} {'relative parameter gap':>23}  largest element gap"]
+    for variant, r in results.items():
+        dloss = max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"]))
+        value, name, index = r["worst"]
+        part = (f" ({('query', 'key', 'value')[index // attention_width]} part)"
+                if name.endswith("in_proj_bias") else "")
+        lines.append(f"{variant:<32} {dloss:>22.2e} {r['relative_gap']:>23.2e}  {value:.1e} at {name}[{index}]{part}")
+    return "\n".join(lines)
+
+
+def precision_table(columns: dict[str, dict]) -> str:
+    """Side by side, one column per MixedPrecisionPolicy: dtypes seen, first-step collective bytes, model state,
+    saved activations and the loss at the end (each column as `mixed_precision_check` returns it)."""
+    names = list(columns)
+    w = max(14, *(len(n) + 2 for n in names))
+    rows = [f"{'':<30}" + "".join(f"{n:>{w}}" for n in names)]
+    for key in ("weight_in_forward", "output", "sharded", "grad_dtype"):
+        rows.append(f"{key:<30}" + "".join(f"{columns[n][key].replace('torch.', ''):>{w}}" for n in names))
+    for kind in ("all_gather", "reduce_scatter"):
+        rows.append(f"{kind + ' bytes, step 1':<30}"
+                    + "".join(f"{columns[n]['collectives'][kind]['bytes']:>{w},}" for n in names))
+    rows.append(f"{'model state bytes':<30}" + "".join(f"{sum(columns[n]['state'].values()):>{w},}" for n in names))
+    rows.append(f"{'activations saved':<30}" + "".join(f"{columns[n]['activations']:>{w},}" for n in names))
+    rows.append(f"{'loss, mean of last 3 steps':<30}"
+                + "".join(f"{sum(columns[n]['losses'][-3:]) / 3:>{w}.4f}" for n in names))
+    return "\n".join(rows)
+
+
+def state_table(sweep: dict[int, list[dict]], psi: int, padding: dict[int, int]) -> str:
+    """Bytes each rank allocated for parameters, gradients and optimizer state under DDP and FSDP at each world
+    size, beside ZeRO's 16Ψ (DDP) or 16Ψ/N (FSDP) and the activations saved; `padding` is FSDP2's padding
+    elements over all ranks per world size."""
+    lines = [f"{'N':>2} {'rank':>4} {'strategy':<8} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
+             f"{'total':>12} {'formula':>12} {'activations':>12}"]
+    for n, ranks in sweep.items():
+        for r in ranks:
+            for strategy in ("DDP", "FSDP"):
+                got = r[strategy]["allocated"]
+                formula = 16 * psi / (n if strategy == "FSDP" else 1)
+                lines.append(f"{n:>2} {r['rank']:>4} {strategy:<8} {got['parameters']:>12,} {got['gradients']:>12,} "
+                             f"{got['optimizer']:>12,} {sum(got.values()):>12,} {formula:>12,.0f} "
+                             f"{r[strategy]['activations']:>12,}")
+        lines.append(f"   padding at N = {n}: {padding[n]:,} elements over all ranks")
+    return "\n".join(lines)
