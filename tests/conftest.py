@@ -33,20 +33,12 @@ def fork_server():
     server.stop_server()
 
 
-def _server_pid():
-    from helpers.launcher import server
-
-    current = server.current_server()
-    return current.pid if current is not None else None
-
-
 @pytest.fixture(autouse=True)
 def leaves_no_process():
+    from helpers.launcher.server import processes_left
+
     yield
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid != _server_pid()]
-    if left:  # a worker's exit is reaped by the server a moment after the launch returns
-        psutil.wait_procs(left, timeout=2)
-        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    left = processes_left()
     assert not left, f"processes left behind: {[(p.pid, p.status()) for p in left]}"
 
 

@@ -262,6 +262,19 @@ def current_server() -> ForkServer | None:
     return _server
 
 
+def processes_left() -> list:
+    """This process's descendants other than the fork-server (which stays between launches): after a launch has
+    returned, or a `Workers` was closed, this is empty unless something escaped."""
+    import psutil
+
+    server = current_server()
+    left = [p for p in psutil.Process().children(recursive=True) if server is None or p.pid != server.pid]
+    if left:  # a worker's exit is reaped by the server a moment after the launch returns
+        psutil.wait_procs(left, timeout=2)
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return left
+
+
 def stop_server() -> None:
     """Stop the server (and any worker it still has). The next launch starts a new one."""
     global _server
