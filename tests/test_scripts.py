@@ -21,6 +21,7 @@ from helpers.paths import SCRIPTS
 
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.
 SMOKE_ARGS: dict[str, list[str]] = {
+    "cluster_ddp.py": ["--steps", "6", "--batch", "16", "--hidden", "8", "--save-every", "3"],
     "hello_distributed.py": [],
 }
 RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "5"))
