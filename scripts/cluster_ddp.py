@@ -54,6 +54,7 @@ def train(ckpt_dir, log_path, device, steps=40, batch=64, features=16, hidden=64
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     loss_fn = torch.nn.BCEWithLogitsLoss()
+    mean = torch.tensor(float("nan") * world)  # a run started after its last step trains nothing: loss nan
     for step in range(start + 1, steps + 1):
         if step == crash_at and rank == crash_rank and attempt == 0:
             raise RuntimeError(f"planted crash on rank {rank} at step {step}")
