@@ -21,6 +21,7 @@ from helpers.paths import SCRIPTS
 
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.
 SMOKE_ARGS: dict[str, list[str]] = {
+    "cluster_ddp.py": ["--steps", "6", "--batch", "16", "--hidden", "8", "--save-every", "3"],
     "collectives.py": ["--elements-per-rank", "1000"],
     "dcp_resume.py": ["--total-steps=4", "--save-every=2", "--async-save", "--d-model=32", "--n-layers=1"],
     "elastic_train.py": ["--total-steps=4", "--save-every=2", "--d-model=32", "--n-layers=1"],
