@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 
-import psutil
 import pytest
 
 WATCHED_SIGNALS = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGCHLD", None),

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from helpers import data, models
 from helpers.measure import memory
 from helpers.launcher import progress
 from helpers.measure.headline import MIMETYPE, headlines_of
-from helpers.launcher.torchrun import torchrun_lines, write_script
+from helpers.launcher.torchrun import torchrun_lines
 
 
 @pytest.mark.parametrize("stage,expected", [(0, 16.0), (1, 4 + 4 + 8 / 4), (2, 4 + 4 / 4 + 8 / 4), (3, 16 / 4)])
@@ -72,17 +70,13 @@ def test_progress_prints_every_tenth_outside_the_launcher(capsys, monkeypatch):
     assert len(lines) == 10 and lines[-1].startswith("[rank 0] 20/20 loss=0.05")
 
 
-def _square_sum():
-    return sum(i * i for i in range(int(os.environ.get("N", "4"))))
 
-
-def test_write_script_runs_the_functions_own_source(tmp_path):
-    script = write_script(_square_sum, tmp_path / "s.py", imports="import os")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env={**os.environ, "N": "5"})
-    assert done.returncode == 0 and done.stdout.strip() == "30"
-    assert "def _square_sum" in script.read_text()
+def test_torchrun_lines_use_c10d_without_node_rank_and_show_slurm():
     lines = torchrun_lines("s.py", nproc="4")
-    assert "--standalone --nproc-per-node=4 s.py" in lines and "--rdzv-endpoint" in lines
+    assert "--standalone --nproc-per-node=4 s.py" in lines
+    multi = [line for line in lines.splitlines() if line.startswith("torchrun --nnodes")]
+    assert len(multi) == 1 and "--rdzv-backend=c10d" in multi[0] and "--node-rank" not in lines
+    assert any(line.startswith("srun ") and "$SLURM_JOB_ID" in line for line in lines.splitlines())
 
 
 def test_digits_split_is_real_and_reproducible():

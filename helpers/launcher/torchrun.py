@@ -1,8 +1,6 @@
-"""'Take it to your project': a worker function as a script, run under torchrun from a notebook cell.
+"""'Take it to your project': a script from scripts/ run under torchrun from a notebook cell, and the lines to type.
 
-Why the function's own source: the script a reader copies must be the code the notebook just ran, not a second
-copy that drifts. `write_script` takes the function's text (inspect.getsource, which works for notebook cells too)
-and adds only the imports and a `__main__` block.
+(The scripts themselves are made of the notebooks' cells: `helpers.export`.)
 
 Running it: its output live in the cell, a timeout, nothing left behind.
 
@@ -13,13 +11,11 @@ to the kernel's interpreter, so the workers run the same torch as the notebook.
 """
 from __future__ import annotations
 
-import inspect
 import os
 import queue
 import shutil
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from dataclasses import dataclass
@@ -29,28 +25,23 @@ from helpers.launcher.sessions import stop_sessions
 from helpers.paths import REPO_ROOT
 
 
-def write_script(fn, path, imports: str, main: str | None = None) -> Path:
-    """Write `imports`, the source of `fn` and a __main__ block (default: print what fn returns) to `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    main = main or f"print({fn.__name__}())"
-    body = textwrap.dedent(inspect.getsource(fn))
-    text = (f'"""{fn.__name__}, as run by the cookbook notebook; launch with torchrun."""\n'
-            f"{textwrap.dedent(imports).strip()}\n\n\n{body.rstrip()}\n\n\n"
-            f'if __name__ == "__main__":\n{textwrap.indent(textwrap.dedent(main).strip(), "    ")}\n')
-    path.write_text(text)
-    return path
-
-
 def torchrun_lines(script: str, nproc: str = "gpu", nodes: int = 2, endpoint: str = "HOST_OF_NODE_0:29500") -> str:
-    """What to type on one machine and on each of several, as text for the reader."""
+    """What to type on one machine, on each of several, and under SLURM, as text for the reader.
+
+    With c10d rendezvous every node runs the same line and the rendezvous assigns the node ranks: no --node-rank
+    (which belongs to the static rendezvous with --master-addr/--master-port, not to c10d)."""
+    multi = (f"torchrun --nnodes={nodes} --nproc-per-node={nproc} --rdzv-backend=c10d "
+             f"--rdzv-endpoint={endpoint} --rdzv-id=$JOB_ID {script}")
     return (f"# one machine, one process per GPU (or --nproc-per-node=N CPU processes):\n"
             f"torchrun --standalone --nproc-per-node={nproc} {script}\n\n"
-            f"# {nodes} machines: run on every node, with --node-rank 0 .. {nodes - 1}\n"
-            f"torchrun --nnodes={nodes} --nproc-per-node={nproc} --node-rank=$NODE_RANK "
-            f"--rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id=cookbook {script}\n"
-            f"# (torchrun replaced `python -m torch.distributed.launch`, which the articles use: it sets RANK and\n"
-            f"#  LOCAL_RANK in the environment instead of passing --local_rank, and restarts failed workers.)")
+            f"# {nodes} machines: the same line on every node; the c10d rendezvous numbers the nodes\n"
+            f"{multi}\n\n"
+            "# under SLURM: one task per node, the rendezvous on the job's first host (slurm/cluster_ddp.sbatch)\n"
+            f"srun --nodes={nodes} --ntasks-per-node=1 " + multi.replace(
+                endpoint, '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p):29500').replace(
+                "$JOB_ID", "$SLURM_JOB_ID") + "\n"
+            "# (torchrun replaced `python -m torch.distributed.launch`, which the articles use: it sets RANK and\n"
+            "#  LOCAL_RANK in the environment instead of passing --local_rank, and restarts failed workers.)")
 
 
 def torchrun_path() -> str:
