@@ -32,7 +32,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 
 class TinyLM(nn.Module):
-    """A small decoder-only transformer on bytes (notebook 03's TinyGPT, written with torch's own layers)."""
+    """A small decoder-only transformer on bytes (like notebook 03's CharTransformer, of torch's own layers)."""
 
     def __init__(self, d_model=128, n_layers=2, n_heads=4, seq_len=64, dropout=0.1, vocab=256):
         super().__init__()
