@@ -275,9 +275,15 @@ def run(args):
               flush=True)
 
 
+@record  # under torchrun an uncaught exception goes to its error file, with its traceback
 def main():
-    run(training_flags("DCP save and resume: checkpoint every --save-every steps; the same command again, at any "
-                       "--nproc-per-node, resumes from the newest committed checkpoint.").parse_args())
+    parser = training_flags("DCP save and resume: checkpoint every --save-every steps; the same command again, at "
+                            "any --nproc-per-node, resumes from the newest committed checkpoint. Under torchrun "
+                            "--max-restarts=N the run survives a killed rank: each restart resumes the same way.")
+    parser.add_argument("--crash-at", type=int, help="plant a crash: a rank SIGKILLs itself before this step, on "
+                        "the first attempt only")
+    parser.add_argument("--crash-rank", type=int, default=1)
+    run(parser.parse_args())
 
 if __name__ == "__main__":
     main()
