@@ -90,3 +90,29 @@ def test_a_script_runs_cleanly_under_torchrun_without_helpers_every_time(name: s
         assert "terminate called" not in output, f"run {attempt}/{RUNS} of {name} aborted at exit:\n{output}"
         summaries = [line for line in stdout.splitlines() if line.startswith("summary:")]
         assert len(summaries) == 1, f"run {attempt}/{RUNS}: want one 'summary:' line, got:\n{stdout}"
+
+
+def test_the_command_lines_the_notebooks_show_name_only_flags_their_script_has():
+    """A reader pastes these lines: a flag the script does not define fails at once (06 once showed --run-dir)."""
+    import json
+    import re
+
+    from helpers.paths import NOTEBOOKS
+
+    names = {p.name for p in _scripts()}
+    helps: dict[str, str] = {}
+    unknown = []
+    for notebook in sorted(NOTEBOOKS.glob("[0-9]*.ipynb")):
+        for cell in json.loads(notebook.read_text())["cells"]:
+            for line in "".join(cell["source"]).splitlines():
+                shown = re.search(r"(\w+\.py)((?:\s+--[\w-]+(?:[= ][^\s-]\S*)?)+)", line)
+                if not shown or shown.group(1) not in names:
+                    continue
+                script = shown.group(1)
+                if script not in helps:
+                    helps[script] = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"],
+                                                   capture_output=True, text=True, timeout=120).stdout
+                unknown += [f"{notebook.name} {cell['id']}: {script} {flag}"
+                            for flag in re.findall(r"--[\w-]+", shown.group(2)) if flag not in helps[script]]
+    assert helps, "the notebooks show torchrun lines for their scripts"
+    assert unknown == []
