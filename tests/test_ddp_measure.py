@@ -144,24 +144,27 @@ def test_accuracy_counts_correct_predictions_and_restores_mode():
 # ------------------------------------------------------------------------------------------ CPU ranks on a GPU machine
 
 
-def _powersgd_step_on_cpu(pretend_cuda: bool) -> list:
+def _powersgd_step_on_cpu(pretend_cuda: bool) -> tuple[list, str | None]:
     """One-rank gloo group, a CPU DDP model with PowerSGD from its first step; returns the torch.cuda.synchronize
-    calls the hook made. With pretend_cuda, the process believes a GPU is present (as a CPU rank on a GPU machine
-    does) and synchronize records its argument, then raises as the real one does for a CPU device."""
+    calls the hook made and the error the step raised (None if none). With pretend_cuda, the process believes a GPU
+    is present (as a CPU rank on a GPU machine does) and synchronize records its argument, then raises as the real
+    one does for a CPU device. Run in a launched worker, and the model freed before destroy_process_group: a DDP
+    reducer that drops the last reference to a gloo group joins gloo's threads with the GIL held, and once hung
+    this test's own process (the hazard described in docs/AUTHORING.md)."""
+    import gc
     from unittest import mock
 
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    calls = []
+    calls, error = [], None
 
     def synchronize(device=None):
         calls.append(torch.device(device) if device is not None else None)
         if device is not None and torch.device(device).type != "cuda":
             raise ValueError(f"Expected a cuda device, but got: {device}")
 
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    dist.init_process_group("gloo")
     try:
         torch.manual_seed(0)
         model = DDP(DigitsMLP(hidden=32, depth=2))
@@ -169,22 +172,28 @@ def _powersgd_step_on_cpu(pretend_cuda: bool) -> list:
                                             min_compression_rate=0.1)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
-        with mock.patch.object(torch.cuda, "is_available", lambda: pretend_cuda), \
-                mock.patch.object(torch.cuda, "synchronize", synchronize):
-            for _ in range(3):  # iterations 0-1 plain all-reduce, then PowerSGD
-                model.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
+        try:
+            with mock.patch.object(torch.cuda, "is_available", lambda: pretend_cuda), \
+                    mock.patch.object(torch.cuda, "synchronize", synchronize):
+                for _ in range(3):  # iterations 0-1 plain all-reduce, then PowerSGD
+                    model.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+        except RuntimeError as exc:  # the hook's ValueError, as the comm hook's future reports it
+            error = str(exc)
+        del model, state
+        gc.collect()
     finally:
         dist.destroy_process_group()
-    return calls
+    return [str(c) for c in calls], error
 
 
 def test_powersgd_hook_synchronizes_cuda_for_a_cpu_bucket_when_a_gpu_is_visible():
     """The cause of the crash of notebook 02's PowerSGD demo on CPU ranks of a GPU machine: torch's hook calls
     torch.cuda.synchronize(bucket device) whenever CUDA is available, whatever the bucket's device."""
-    with pytest.raises(Exception, match="cuda device"):
-        _powersgd_step_on_cpu(pretend_cuda=True)
-    assert _powersgd_step_on_cpu(pretend_cuda=False) == [], "a process that sees no GPU makes no CUDA call"
+    (calls, error), = helpers.launch(_powersgd_step_on_cpu, True, world_size=1, timeout=120)
+    assert error is not None and "cuda device" in error and calls == ["cpu"]
+    assert helpers.launch(_powersgd_step_on_cpu, False, world_size=1, timeout=120) == [([], None)], \
+        "a process that sees no GPU makes no CUDA call"
 
 
 def test_cpu_ranks_hide_the_gpus_only_when_ranks_outnumber_them():
