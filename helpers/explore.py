@@ -25,7 +25,8 @@ import inspect
 def explore(fn, /, **controls):
     """Display `fn`'s controls with a Run button; each press calls `fn` with the chosen values (output below it).
 
-    Returns the `ipywidgets.interactive` panel (its `.kwargs` are the chosen values, `.update()` runs it).
+    Returns the `ipywidgets.interactive` panel (its `.kwargs` are the chosen values, `.update()` runs it), wrapped
+    so that `explore(...)` as a cell's last line does not show the panel a second time.
     Raises ValueError when a control names no parameter of `fn`, names one without a default, or cannot show
     that default.
     """
@@ -56,4 +57,17 @@ def explore(fn, /, **controls):
             widgets[name] = ipywidgets.fixed(parameter.default)
     panel = ipywidgets.interactive(fn, {"manual": True, "manual_name": "Run"}, **widgets)
     display(panel)
-    return panel
+    return Explorer(panel)
+
+
+class Explorer:
+    """The panel `explore` displayed, whose attributes it passes through; displaying it again shows nothing."""
+
+    def __init__(self, panel):
+        self.panel = panel
+
+    def __getattr__(self, name):
+        return getattr(self.panel, name)
+
+    def _ipython_display_(self):
+        pass  # already displayed by explore(); a cell ending in explore(...) would otherwise show it twice

@@ -48,3 +48,12 @@ def test_a_parameter_without_default_is_refused():
 
     with pytest.raises(ValueError, match="give 'size' a default"):
         explore(needs, size=[1, 2])
+
+
+def test_the_panel_is_displayed_once_even_as_a_cells_last_value():
+    from IPython.core.formatters import DisplayFormatter
+
+    explorer = explore(sizes, size=[1, 4, 16])
+    assert DisplayFormatter().format(explorer) == ({}, {})  # what IPython's display hook shows for it: nothing
+    assert DisplayFormatter().format(explorer.panel) != ({}, {})
+    assert explorer.kwargs_widgets == explorer.panel.kwargs_widgets
