@@ -220,3 +220,11 @@ def test_detail_cost_worker_compares_checked_and_unchecked_groups():
                              timeout=120, quiet=True)
     assert all(r["debug_level"] == "DebugLevel.DETAIL" and len(r["ratios"]) == 3 and min(r["ratios"]) > 0
                for r in results)
+
+
+def test_sweep_worker_can_skip_the_ceilings():
+    results = helpers.launch(bench.sweep_worker, [1 << 12], 1, 2, collectives=("reduce_scatter",), ceilings=False,
+                             world_size=2, timeout=120, quiet=True)
+    assert [r["ceilings"] for r in results] == [None, None]
+    assert [(r["collective"], r["size_bytes"], r["checked"]) for r in results[0]["records"]] == \
+        [("reduce_scatter", 1 << 12, True)]
