@@ -97,8 +97,9 @@ def gloo_rather_than_nccl(records: list[dict], facts: dict, shared: dict | None 
                                              f"GPUs, this machine has {facts['gpus']}"))
     for r in (shared or {}).get("records", []):  # one GPU: gloo's trip through the host, CUDA against CPU tensors
         cpu = next((c for c in gloo_rows if c["size_bytes"] == r["size_bytes"] and c["device"] == "cpu"), None)
+        on_cpu = f", CPU tensors {cpu['median_s'] * 1e3:8.3f} ms" if cpu else ""
         lines.append(f"  gloo all_reduce of {human_bytes(r['size_bytes']):>9}: CUDA tensors "
-                     f"{r['median_s'] * 1e3:8.3f} ms" + (f", CPU tensors {cpu['median_s'] * 1e3:8.3f} ms" if cpu else ""))
+                     f"{r['median_s'] * 1e3:8.3f} ms{on_cpu}")
     return "\n".join(lines)
 
 
@@ -161,8 +162,9 @@ def threads_and_numactl(run: dict, net: dict, claimed_pct: float = 22) -> str:
         f"on {net['cores']} cores" + (" (more threads than cores: the scheduler is part of the figure)"
                                       if threads > net["cores"] else ""),
         f"  all_reduce of {human_bytes(run['size_bytes'])} (gloo, CPU), per call, median over {len(slow)} rounds: "
-        f"{few} thread(s) {statistics.median(slow) * 1e6:.1f} us, {many} threads {statistics.median(fast) * 1e6:.1f} "
-        f"us; time saved with {many}: {statistics.median(less):.1f}% (interval {low:.1f}% to {high:.1f}%)",
+        f"{few} thread{'s' * (few > 1)} {statistics.median(slow) * 1e6:.1f} us, {many} threads "
+        f"{statistics.median(fast) * 1e6:.1f} us; time saved with {many}: {statistics.median(less):.1f}% (interval "
+        f"{low:.1f}% to {high:.1f}%)",
         "  verdict (threads): " + verdict(statistics.median(less), claimed_pct, claimed_pct, slack=0.5, unit="%",
                                            spread=(low, high)),
         "  verdict (numactl): " + verdict(None, claimed_pct, claimed_pct, applicable=nodes >= 2 and bool(
