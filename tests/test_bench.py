@@ -220,3 +220,19 @@ def test_detail_cost_worker_compares_checked_and_unchecked_groups():
                              timeout=120, quiet=True)
     assert all(r["debug_level"] == "DebugLevel.DETAIL" and len(r["ratios"]) == 3 and min(r["ratios"]) > 0
                for r in results)
+
+
+def test_sweep_worker_can_skip_the_ceilings():
+    results = helpers.launch(bench.sweep_worker, [1 << 12], 1, 2, collectives=("reduce_scatter",), ceilings=False,
+                             world_size=2, timeout=120, quiet=True)
+    assert [r["ceilings"] for r in results] == [None, None]
+    assert [(r["collective"], r["size_bytes"], r["checked"]) for r in results[0]["records"]] == \
+        [("reduce_scatter", 1 << 12, True)]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.device_count() != 1, reason="the one-GPU runs need exactly one GPU")
+def test_one_gpu_sweeps_time_nccl_alone_and_gloo_sharing_the_gpu():
+    alone, shared = bench.one_gpu_sweeps([1 << 10, 1 << 16], 1, 2, gloo_up_to=1 << 10)
+    assert {(r["backend"], r["device"], r["world_size"]) for r in alone["records"]} == {("nccl", "cuda", 1)}
+    assert [(r["backend"], r["device"], r["size_bytes"]) for r in shared["records"]] == [("gloo", "cuda", 1 << 10)]
+    assert "device_copy" in alone["ceilings"] and "cannot show" in bench.one_gpu_report(alone, shared, 2)

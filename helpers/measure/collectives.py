@@ -283,7 +283,7 @@ def time_collective(name: str, sizes: list[int], *, warmup: int = 5, repeats: in
 # ---------------------------------------------------------------------------------------- launched harnesses
 
 def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectives=COLLECTIVES, device=None,
-                 gloo_on_cuda_up_to: int | None = None) -> dict:
+                 gloo_on_cuda_up_to: int | None = None, ceilings: bool = True) -> dict:
     """The benchmark notebook 01 launches: every collective at every size, and the ceilings to read them against.
 
     A harness, not teaching code: it runs under `helpers.launch` (or torchrun) and starts its own process group,
@@ -293,7 +293,8 @@ def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectiv
         on one GPU, which only gloo accepts (NCCL refuses two ranks on one GPU).
     gloo_on_cuda_up_to: also time the all-reduce of the same CUDA tensors through a gloo group (staged through
         host memory), for sizes up to this many bytes.
-    Returns {'records': every rank the same list, 'ceilings': rank 0's (None elsewhere), 'note'}.
+    ceilings: False skips them (an explorer's press times one point and reads it against the sweep's ceilings).
+    Returns {'records': every rank the same list, 'ceilings': rank 0's (None elsewhere, or when skipped), 'note'}.
     """
     import torch
     import torch.distributed as dist
@@ -304,7 +305,7 @@ def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectiv
     backend = default_backend()
     dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     try:
-        lead = dist.get_rank() == 0
+        lead = ceilings and dist.get_rank() == 0
         before = measure_ceilings(device) if lead else None  # rank 0 alone; the others wait at the barrier
         _barrier(None, device)
         records = [r for name in collectives
@@ -314,11 +315,27 @@ def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectiv
             records += time_collective("all_reduce", [s for s in sizes if s <= gloo_on_cuda_up_to], warmup=warmup,
                                        repeats=repeats, device=device, group=gloo)
         _barrier(None, device)
-        ceilings = best_ceilings(before, measure_ceilings(device)) if lead else None
-        return {"records": records, "ceilings": ceilings, "note": environment_note()}
+        best = best_ceilings(before, measure_ceilings(device)) if lead else None
+        return {"records": records, "ceilings": best, "note": environment_note()}
     finally:
         gc.collect()
         dist.destroy_process_group()
+
+
+def one_gpu_sweeps(sizes: list[int], warmup: int = 5, repeats: int = 20, gloo_up_to: int = 256 << 20) -> tuple:
+    """What one GPU can show, launched from the kernel: `sweep_worker` at world size 1 under NCCL (the fixed cost of
+    a call, the device's copy rate), and the all-reduce of CUDA tensors between two gloo ranks sharing the GPU
+    (staged through host memory; sizes up to `gloo_up_to`).
+
+    Why: NCCL refuses two ranks on one GPU, so on a one-GPU machine the multi-rank sweep runs gloo on CPU and these
+    two runs measure the GPU alone. Returns (alone, shared), rank 0's results; `one_gpu_report` reads them.
+    """
+    from helpers.launcher import launch
+
+    alone = launch(sweep_worker, sizes, warmup, repeats, world_size=1, backend="nccl", timeout=600)[0]
+    shared = launch(sweep_worker, [s for s in sizes if s <= gloo_up_to], warmup, repeats, collectives=("all_reduce",),
+                    device="cuda:0", world_size=2, backend="gloo", timeout=600)[0]
+    return alone, shared
 
 
 def intra_op_threads_worker(thread_counts=(1, 4), size_bytes: int = 1024, rounds: int = 15, calls: int = 50,

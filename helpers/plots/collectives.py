@@ -143,3 +143,35 @@ def ring_traffic(measured: dict[str, list[dict]], size_bytes: int):
     axes[0].legend(fontsize=8)
     fig.suptitle(f"traffic per rank of one all-reduce, n = {len(next(iter(measured.values())))}", fontsize=10)
     return fig
+
+
+def explored_point(records: list[dict], point: dict, ceiling: dict | None = None):
+    """One re-timed (collective, size), starred on the sweep's busbw and time curves for that collective.
+
+    Why: an explorer's press times one message size; alone, one figure says little. Beside the sweep it shows
+    which regime the size falls in (latency-bound at the left, bandwidth-bound at the right) and whether the
+    re-timed point agrees with the sweep's. The bars are the interquartile ranges over repeats.
+    """
+    same = [r for r in records if r["collective"] == point["collective"] and r["backend"] == point["backend"]]
+    fig, (ax_bw, ax_lat) = new_figure(2, width=5.2, height=3.4)
+    for ax, key, low, high, scale in ((ax_bw, "busbw", "busbw_q1", "busbw_q3", 1 / GB),
+                                      (ax_lat, "median_s", "q1_s", "q3_s", 1e6)):
+        for rows, style in ((sorted(same, key=lambda r: r["size_bytes"]), {"marker": "o", "color": "C0",
+                                                                           "label": "the sweep above"}),
+                            ([point], {"marker": "*", "markersize": 12, "color": "C3", "linestyle": "none",
+                                       "label": "this press"})):
+            if rows:
+                mid = [r[key] * scale for r in rows]
+                ax.errorbar([r["size_bytes"] for r in rows], mid, capsize=3, **style,
+                            yerr=[[m - r[low] * scale for m, r in zip(mid, rows)],
+                                  [r[high] * scale - m for m, r in zip(mid, rows)]])
+        _size_axis(ax, [r["size_bytes"] for r in same + [point]])
+        ax.set_yscale("log")
+    if ceiling and ceiling.get("kind") == "bandwidth":
+        ax_bw.axhline(ceiling["rate"] / GB, color="0.35", linestyle=":", label=f"ceiling: {ceiling['name']}")
+    ax_bw.set_ylabel("busbw (GB/s), median")
+    ax_lat.set_ylabel("time per call (us), median")
+    ax_bw.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{point['collective']} ({point['backend']}, {point['world_size']} ranks, {point['device']}): "
+                 f"{human_bytes(point['size_bytes'])}", fontsize=10)
+    return fig
