@@ -38,7 +38,10 @@ def gpu_count() -> int:
     if torch.cuda.is_initialized():
         return torch.cuda.device_count()
     with _nvml_cuda_check():
-        return torch.cuda._device_count_nvml() if hasattr(torch.cuda, "_device_count_nvml") else 0
+        count = torch.cuda._device_count_nvml() if hasattr(torch.cuda, "_device_count_nvml") else -1
+    # -1: NVML could not answer, as with PyPI's CUDA build on a machine without an NVIDIA driver (the default
+    # `pip install torch` on a laptop). device_count() then asks the CUDA runtime, still without a context.
+    return count if count >= 0 else torch.cuda.device_count()
 
 
 def cuda_initialized() -> bool:

@@ -133,3 +133,16 @@ def test_each_ranks_lines_also_go_to_its_own_panel():
     rank1 = [(o["name"], o["text"]) for o in panels.outputs[1].outputs]
     assert rank0 == "step 1\nstep 2\n" and rank1 == [("stderr", "warning from rank 1\n")]
     assert [panels.widget.get_title(r) for r in (0, 1)] == ["rank 0", "rank 1"]
+
+
+@pytest.mark.parametrize("nvml, runtime, expected", [(2, 5, 2), (0, 5, 0), (-1, 3, 3), (-1, 0, 0)])
+def test_gpu_count_asks_the_runtime_only_when_nvml_cannot_answer(monkeypatch, nvml, runtime, expected):
+    """PyPI's CUDA build on a machine without a driver: NVML answers -1, which is not a number of GPUs (torch 2.11
+    said -1 here, and `launch(backend="nccl")` then reported '0 NCCL ranks need 0 GPUs')."""
+    from helpers import devices
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: nvml, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: runtime)
+    assert devices.gpu_count() == expected
