@@ -2,10 +2,9 @@
 # Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 dcp_resume.py --help
 """Resumable FSDP2 training with Distributed Checkpoint (DCP), from notebook 06 of the cookbook.
 
-Run the same command again after a failure and it resumes from the newest committed checkpoint, bit for bit:
-model and optimizer through get_state_dict/set_state_dict (sharded, so any world size can load them), LR schedule,
-step, epoch and the data loader's position (torchdata's StatefulDataLoader). Nothing saved depends on the rank or
-the device: a checkpoint written on GPUs loads on CPUs, at another world size.
+Run the same command again after a failure and it resumes from the newest committed checkpoint, bit for bit: model
+and optimizer (sharded, so any world size loads them), LR schedule, step, epoch and the data loader's position
+(torchdata's StatefulDataLoader). Nothing saved depends on the rank or the device: GPU checkpoints load on CPUs.
 """
 import argparse
 import gc
@@ -85,21 +84,15 @@ def init_distributed():
 
 
 class AppState(Stateful):
-    """Everything a resumed run needs, and nothing that depends on the rank or the device.
-
-    Model and optimizer: get_state_dict gives FSDP2's shards as DTensors under fully qualified names, the layout
-    DCP reshards to any world size; set_state_dict puts them back. The rest is the same on every rank: step,
-    epoch, LR schedule, and the data loader's position (every rank has drawn the same number of batches of its
-    own shard). No RNG state: each step reseeds from (seed, rank, step), so there is no per-rank, per-device
-    generator state (a CUDA generator on GPUs) to save, and a resumed step draws its dropout masks exactly again.
-    """
+    """Everything a resumed run needs and nothing that depends on the rank or the device (no RNG state: each step
+    reseeds from (seed, rank, step)). DCP calls state_dict() to save and load_state_dict() to load."""
 
     def __init__(self, model, optimizer, scheduler, loader):
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.step, self.epoch = 0, 0
 
     def state_dict(self):
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)  # FSDP2's shards as DTensors
         return {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "epoch": self.epoch, "loader": json.dumps(self.loader.state_dict())}
 
@@ -182,13 +175,9 @@ def commit_when_written(pending, ckpt_dir, keep):
 def train_from_checkpoint(ckpt_dir, total_steps=40, save_every=10, keep=2, async_save=False, crash_at=None,
                           crash_rank=1, d_model=128, n_layers=2, batch=8, seed=0):
     """Train to `total_steps`, resuming from the newest committed checkpoint under `ckpt_dir` if there is one.
-
-    Every save goes to a staging folder and is committed once complete. With `async_save`, dcp.async_save stages
-    the state and writes it in a background thread while training goes on; at most one save is in flight, and a
-    finished one is committed at the next step. `crash_at`: rank `crash_rank` SIGKILLs itself before that step on
-    torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0). Each rank appends its losses to
-    ckpt_dir/losses.rank<r>.jsonl, which outlives a killed process. Returns plain values only.
-    """
+    Saves are committed once complete; an async save is committed at the first step that finds it written.
+    `crash_at`: rank `crash_rank` SIGKILLs itself before that step, on torchrun's first attempt only. Each rank
+    appends its losses to ckpt_dir/losses.rank<r>.jsonl, which outlives a killed process. Returns plain values."""
     rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     app, device = build(d_model, n_layers, batch, total_steps, seed)
     save_group = dist.new_group(backend="gloo") if async_save else None  # async saves talk on their own group
@@ -248,9 +237,11 @@ def train(ckpt_dir, **options):
         dist.destroy_process_group()
 
 
-def training_flags(description, **defaults):
-    """The flags of both scripts (named as train's arguments), with full-size defaults."""
-    parser = argparse.ArgumentParser(description=description)
+@record  # under torchrun an uncaught exception goes to its error file, with its traceback
+def main():
+    parser = argparse.ArgumentParser(description="DCP save and resume: checkpoint every --save-every steps; the same "
+                                     "command again, at any --nproc-per-node, resumes from the newest committed "
+                                     "checkpoint. Under torchrun --max-restarts=N each restart resumes the same way.")
     parser.add_argument("--ckpt-dir", default="checkpoints", help="committed checkpoints; every node must reach it")
     parser.add_argument("--total-steps", type=int, default=200, help="train until this step, across resumes")
     parser.add_argument("--save-every", type=int, default=50)
@@ -259,12 +250,10 @@ def training_flags(description, **defaults):
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    parser.set_defaults(**defaults)
-    return parser
-
-
-def run(args):
-    """Train, resuming from --ckpt-dir's newest checkpoint if there is one; rank 0 prints one summary line."""
+    parser.add_argument("--crash-at", type=int, help="plant a crash: a rank SIGKILLs itself before this step, on "
+                        "the first attempt only")
+    parser.add_argument("--crash-rank", type=int, default=1)
+    args = parser.parse_args()
     os.makedirs(args.ckpt_dir, exist_ok=True)
     result = train(**vars(args))
     if result["rank"] == 0:
@@ -273,17 +262,6 @@ def run(args):
               f"resumed_from={result['resumed_from']} trained={len(losses)} "
               f"last_loss={losses[max(losses)] if losses else float('nan'):.4f} checkpoint={latest(args.ckpt_dir)}",
               flush=True)
-
-
-@record  # under torchrun an uncaught exception goes to its error file, with its traceback
-def main():
-    parser = training_flags("DCP save and resume: checkpoint every --save-every steps; the same command again, at "
-                            "any --nproc-per-node, resumes from the newest committed checkpoint. Under torchrun "
-                            "--max-restarts=N the run survives a killed rank: each restart resumes the same way.")
-    parser.add_argument("--crash-at", type=int, help="plant a crash: a rank SIGKILLs itself before this step, on "
-                        "the first attempt only")
-    parser.add_argument("--crash-rank", type=int, default=1)
-    run(parser.parse_args())
 
 if __name__ == "__main__":
     main()

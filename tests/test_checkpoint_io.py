@@ -76,3 +76,24 @@ def _linear_state(width):
     # each rank holds its own weight under one key per rank: the files hold both
     rank = dist.get_rank()
     return {f"w{rank}": torch.full((width, width), float(rank))}
+
+
+def test_checkpoint_layout_lists_chunks_files_and_counts_every_tensor_once(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(12.0).view(4, 3), "b": torch.zeros(5, dtype=torch.float64), "step": 3}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    meta = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    layout = disk.checkpoint_layout(tmp_path, meta, "w")
+    assert layout["shape"] == (4, 3) and layout["keys"] == ["b", "step", "w"]
+    assert [c["offsets"] for c in layout["chunks"]] == [(0, 0)] and layout["chunks"][0]["file"].endswith(".distcp")
+    assert layout["tensor_bytes"] == 12 * 4 + 5 * 8
+    assert layout["file_bytes"] == sum(p.stat().st_size for p in tmp_path.glob("*.distcp")) >= layout["tensor_bytes"]
+    assert "(0, 0)  (4, 3)" in disk.layout_text(layout)
+
+
+def test_costs_table_warns_only_when_ranks_outnumber_cores():
+    summary = {"state_bytes": 2 << 20, "on_disk": 2 << 20, "median_s": {"dcp.save": 0.5}, "rate": {"dcp.save": 4 << 20}}
+    table = disk.costs_table(summary, "cpu", 3, 2, 2)
+    assert "2 MiB of tensors over 2 rank(s)" in table and "500.0 ms" in table and "WARNING" not in table
+    assert "WARNING: 3 ranks on 2 cores" in disk.costs_table(summary, "cpu", 3, 3, 2)

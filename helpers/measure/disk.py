@@ -148,3 +148,46 @@ def summarize_costs(results: list[dict]) -> dict:
             "rate": {op: total / statistics.median(v) for op, v in slowest.items()},
             "ratios": {k: {"median": statistics.median(v), "interval": median_interval(v), "values": v}
                        for k, v in ratios.items()}}
+
+
+def checkpoint_layout(folder: str | os.PathLike, metadata, name: str) -> dict:
+    """What a DCP folder holds, read from its `.metadata` (`dcp.FileSystemReader(folder).read_metadata()`): each
+    file's size, the chunks of tensor `name` (offset, size, the file holding it), every key, and the bytes of all
+    tensors at their global shapes beside those of the data files, so a notebook can assert that every tensor was
+    written once, and show how the metadata makes resharding possible."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = Path(folder)
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
+    chunks = [{"offsets": tuple(c.offsets), "sizes": tuple(c.sizes),
+               "file": next(info.relative_path for index, info in metadata.storage_data.items()
+                            if index.fqn == name and tuple(index.offset) == tuple(c.offsets))}
+              for c in metadata.state_dict_metadata[name].chunks]
+    tensors = sum(m.size.numel() * m.properties.dtype.itemsize for m in metadata.state_dict_metadata.values()
+                  if isinstance(m, TensorStorageMetadata))
+    return {"files": files, "name": name, "shape": tuple(metadata.state_dict_metadata[name].size), "chunks": chunks,
+            "keys": sorted(metadata.state_dict_metadata), "tensor_bytes": tensors,
+            "file_bytes": sum(n for f, n in files.items() if f.endswith(".distcp"))}
+
+
+def layout_text(layout: dict) -> str:
+    """`checkpoint_layout` as lines to print: the files, the chunks of one tensor, a few keys, the byte totals."""
+    lines = [f"{f:<16} {n:>10,} bytes" for f, n in layout["files"].items()]
+    lines.append(f"\n{layout['name']}: global shape {layout['shape']}; chunks (offset, size) and file:")
+    lines += [f"   {c['offsets']}  {c['sizes']}  -> {c['file']}" for c in layout["chunks"]]
+    keys = layout["keys"]
+    lines.append(f"\n{len(keys)} keys, e.g. {[k for k in keys if not k.startswith('app.optim')][-6:]}")
+    lines.append(f"tensors (global shapes) {layout['tensor_bytes']:,} bytes; data files {layout['file_bytes']:,} "
+                 f"({layout['file_bytes'] / layout['tensor_bytes']:.3f}x)")
+    return "\n".join(lines)
+
+
+def costs_table(summary: dict, device: str, repeats: int, world_size: int, cores: int) -> str:
+    """`summarize_costs`'s medians and rates as a table, with a warning where the ranks outnumber the cores."""
+    lines = [f"{summary['state_bytes'] / 2 ** 20:.0f} MiB of tensors over {world_size} rank(s) on {device}, "
+             f"{summary['on_disk'] / 2 ** 20:.0f} MiB on disk; {repeats} repeats, slowest rank"]
+    lines += [f"  {op:<28} {t * 1e3:9.1f} ms  {summary['rate'][op] / 2 ** 20:9.0f} MiB/s"
+              for op, t in summary["median_s"].items()]
+    if world_size > cores:
+        lines.append(f"WARNING: {world_size} ranks on {cores} cores: the rates measure the scheduler as much as the disk")
+    return "\n".join(lines)
