@@ -31,3 +31,14 @@ def test_allocated_equals_held_for_a_plain_model_with_adam():
 
 def test_cuda_memory_is_none_off_cuda():
     assert cuda_memory("cpu") is None
+
+
+def test_step_memory_of_a_plain_model_is_zeros_16_psi_and_its_saved_activations():
+    from helpers.measure.memory import step_memory
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 8)
+    got = step_memory(lambda: nn.Sequential(nn.Linear(8, 4), nn.ReLU()), lambda m: m(x).sum(), "cpu")
+    assert got["allocated"] == got["held"] == {"parameters": 36 * 4, "gradients": 36 * 4, "optimizer": 36 * 8}
+    assert got["activations"] == 5 * 8 * 4 + 5 * 4 * 4  # the Linear's input, the ReLU's output
+    assert got["whole_parameters"] == 0 and "cuda" not in got
