@@ -19,7 +19,7 @@ def train_beside_reference(device, model, reference, fsdp_step, loss_of, batch, 
     """Train `model` (sharded, on this rank's slice) and `reference` (whole, on the global batch) side by side.
 
     `fsdp_step(micro_batches)` runs FSDP's forward and backward over this rank's `accum` micro-batches and returns
-    (summed loss tensor, total gradient norm or None); the harness then steps Adam. The reference clips its
+    (summed loss tensor, total gradient norm as a tensor, a DTensor or None); the harness then steps Adam. The reference clips its
     gradients with `max_norm` when given. `batch(n, generator=g)` draws n (input, target) rows; every rank draws
     the same global batches. Returns plain values: the losses (FSDP's averaged over ranks) and the reference's
     step by step, the gradient norms, the first step's collectives (`collective_log`, a class, when given), the
@@ -44,7 +44,7 @@ def train_beside_reference(device, model, reference, fsdp_step, loss_of, batch, 
         with log:
             total, norm = fsdp_step(list(zip(x[mine].chunk(accum), y[mine].chunk(accum))))
         if norm is not None:
-            r["norms"].append(norm)
+            r["norms"].append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else float(norm))
         opt.step()
         opt.zero_grad()
         total = total.detach().clone()
