@@ -33,7 +33,8 @@ def _reference_worker(wrong):
             loss.backward()
             return loss.detach(), None
 
-        batch = lambda n, generator: (torch.randn(n, 6, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+        batch = lambda n, generator: (torch.randn(n, 6, generator=generator),
+                                      torch.randint(0, 3, (n,), generator=generator))
         return train_beside_reference("cpu", model, reference, fsdp_step, loss_of, batch, steps=3, per_rank_batch=4,
                                       lr=0.01)
     finally:

@@ -71,7 +71,8 @@ def _step_memory_worker(vocab):
         return fully_shard(model, mesh=mesh, **kwargs)
 
     try:
-        out = {r: step_memory(lambda r=r: build(r), lambda m: m(x, x), "cpu") for r in ("plain", None, False, True)}
+        out = {r: step_memory(lambda r=r: build(r), lambda m: m(x, x), "cpu")
+               for r in ("plain", None, False, True)}
         with torch.device("meta"):
             model = TinyGPT(config)
         out["numel"] = {"all": sum(p.numel() for p in model.parameters()),

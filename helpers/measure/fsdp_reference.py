@@ -15,16 +15,17 @@ import torch.distributed as dist
 
 
 def train_beside_reference(device, model, reference, fsdp_step, loss_of, batch, steps: int, per_rank_batch: int,
-                           lr: float, accum: int = 1, max_norm: float | None = None, collective_log=None) -> dict:
+                           lr: float, accum: int = 1, max_norm: float | None = None,
+                           collective_log=None) -> dict:
     """Train `model` (sharded, on this rank's slice) and `reference` (whole, on the global batch) side by side.
 
     `fsdp_step(micro_batches)` runs FSDP's forward and backward over this rank's `accum` micro-batches and returns
-    (summed loss tensor, total gradient norm as a tensor, a DTensor or None); the harness then steps Adam. The reference clips its
-    gradients with `max_norm` when given. `batch(n, generator=g)` draws n (input, target) rows; every rank draws
-    the same global batches. Returns plain values: the losses (FSDP's averaged over ranks) and the reference's
-    step by step, the gradient norms, the first step's collectives (`collective_log`, a class, when given), the
-    parameters' distance to the reference relative to the distance the reference travelled, and the element that
-    differs most as (gap, parameter name, flat index).
+    (summed loss tensor, total gradient norm as a tensor, a DTensor or None); the harness then steps Adam. The
+    reference clips its gradients with `max_norm` when given. `batch(n, generator=g)` draws n (input, target) rows;
+    every rank draws the same global batches. Returns plain values: the losses (FSDP's averaged over ranks) and
+    the reference's step by step, the gradient norms, the first step's collectives (`collective_log`, a class, when
+    given), the parameters' distance to the reference relative to the distance the reference travelled, and the
+    element that differs most as (gap, parameter name, flat index).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     initial = [p.detach().clone() for p in reference.parameters()]
