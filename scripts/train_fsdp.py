@@ -64,6 +64,17 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> nn.Module:
     return model
 
 
+def accumulate_and_clip(model: nn.Module, micro_batches: list, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over one optimizer step's micro-batches, the gradients reduce-scattered after the last
+    one only; then clip. Returns the summed loss and the total gradient norm (a DTensor under FSDP)."""
+    for i, (x, y) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)   # FSDP1's and DDP's no_sync() on the others
+        loss = cross_entropy(model(x), y) / len(micro_batches)
+        loss.backward()
+        total = loss.detach() if i == 0 else total + loss.detach()
+    return total, torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # shard norms, one all-reduce
+
+
 def set_prefetch(model: nn.Module) -> None:
     """Explicit prefetch: block i's forward issues block i+1's all-gather; block i+1's backward issues block i's."""
     blocks = list(model.blocks)
@@ -130,15 +141,9 @@ def train_steps(device: torch.device, tokens: torch.Tensor, vocab_size: int, ste
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(1_000_003 * (seed + 1) + rank)   # each rank its own batches
     losses, norms = [], []
-    for step in range(steps):
-        step_loss = torch.zeros((), device=device)
-        for micro in range(accum):                              # gradient accumulation over `accum` micro-batches
-            model.set_requires_gradient_sync(micro == accum - 1)    # reduce-scatter on the last one only
-            x, y = (t.to(device) for t in random_windows(tokens, batch, seq_len, gen))
-            loss = cross_entropy(model(x), y) / accum
-            loss.backward()
-            step_loss += loss.detach()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)   # the norm of the whole (sharded) gradient
+    for step in range(steps):                                   # gradient accumulation over `accum` micro-batches
+        micro_batches = [[t.to(device) for t in random_windows(tokens, batch, seq_len, gen)] for _ in range(accum)]
+        step_loss, norm = accumulate_and_clip(model, micro_batches, clip)
         opt.step()
         opt.zero_grad()
         dist.all_reduce(step_loss)                              # SUM (gloo has no AVG), then / world

@@ -87,3 +87,37 @@ def test_log_records_c10d_and_dtensor_collectives():
                                        "dtypes": ["float32"]}
     assert counts == {ALL_REDUCE: 1, ALL_GATHER: 2, REDUCE_SCATTER: 1}
     assert ring == pytest.approx(40 * 2 * 0.5 + (12 * 2 + 8 * 4) * 0.5 + 24 * 0.5)
+
+
+def _fsdp_step_collectives():
+    import warnings
+
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from helpers.measure.comm_log import collectives_of_step
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(3, 4)
+        return collectives_of_step(model, lambda m: m(x).sum().backward(), warmup=1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_of_step_counts_fsdp_groups_both_ways():
+    import helpers
+
+    for r in helpers.launch(_fsdp_step_collectives, world_size=2, timeout=120, quiet=True):
+        # two groups, the inner one resharded after forward, the root not: 3 all-gathers, 2 reduce-scatters
+        assert r["log"]["all_gather"]["calls"] == 3 and r["log"]["reduce_scatter"]["calls"] == 2
+        assert sum(n for op, n in r["counts"].items() if "allgather" in op) == 3, "CommDebugMode agrees"
+        assert r["ring_bytes"]["all_gather"] == r["log"]["all_gather"]["bytes"] / 2, "(N-1)/N of each buffer"
+        assert sum(r["forward_gathers"].values()) >= 1

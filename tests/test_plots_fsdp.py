@@ -47,7 +47,17 @@ def test_tables_lay_out_what_they_are_given():
               "state": {"parameters": 1, "gradients": 2, "optimizer": 3}, "activations": 4096, "losses": [3, 2, 1]}
     text = fsdp_plots.precision_table({"fp32": column, "bf16": {**column, "output": "torch.bfloat16"}})
     assert "bfloat16" in text and "1,024" in text and "2.0000" in text and text.count("\n") == 9
-    rank = {"rank": 0, "DDP": {"allocated": {"parameters": 4, "gradients": 4, "optimizer": 8}, "activations": 7},
-            "FSDP": {"allocated": {"parameters": 2, "gradients": 2, "optimizer": 4}, "activations": 7}}
-    text = fsdp_plots.state_table({2: [rank]}, psi=1, padding={2: 0})
-    assert "16" in text and "padding at N = 2: 0" in text and text.count("\n") == 3
+    rank = {"rank": 0, "DDP": {"allocated": {"parameters": 4, "gradients": 4, "optimizer": 8}, "activations": 7,
+                               "whole_parameters": 0},
+            "default": {"allocated": {"parameters": 2, "gradients": 2, "optimizer": 4}, "activations": 7,
+                        "whole_parameters": 3}}
+    text = fsdp_plots.memory_table([rank, {**rank, "rank": 1}], ["DDP", "default"], psi=1, padding=0)
+    assert "16" in text and "padding at N = 2: 0" in text and text.count("\n") == 5
+    text = fsdp_plots.step_time_table({"base": [0.002, 0.001, 0.003], "knob": [0.004] * 3, "bad": "failed: X"}, "base")
+    assert "2.00 [1.00, 3.00]" in text and "2.00x the base step" in text and "failed: X" in text
+
+
+def test_whole_parameters_stack_on_top_of_the_state():
+    rows = [{**r, "whole_parameters": 100} if r["strategy"] == "FSDP" else r for r in _rows()]
+    fig = fsdp_plots.state_bytes_bars(rows, {1: 1600, 2: 800}, unit=1, unit_name="B")
+    assert len(fig.axes[0].patches) == 4 * 3 + 2

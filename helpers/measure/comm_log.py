@@ -166,3 +166,32 @@ class CollectiveLog(TorchDispatchMode):
             if c.dtype not in entry["dtypes"]:
                 entry["dtypes"].append(c.dtype)
         return out
+
+
+def collectives_of_step(model, step, warmup: int = 2) -> dict:
+    """The collectives one training step of `model` issues, counted two ways. Runs in a worker.
+
+    `step(model)` runs forward and backward. `warmup` steps run first: in its second step DDP rebuilds its buckets
+    in the order gradients arrived (rank 0 broadcasts the new layout), and the steady state is what we count.
+    Returns plain values: 'counts' ({op: calls}, from `CommDebugMode`), 'log' (`CollectiveLog.summary()`),
+    'ring_bytes' ({kind: bytes this rank sends on a ring}) and 'forward_gathers' ({module name: all-gathers
+    issued inside that module's forward}, CommDebugMode's per-module view: where explicit prefetch moves them).
+    """
+    import warnings
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    # CommDebugMode's module tracker adds hooks that make outputs views and fire full backward hooks on modules
+    # whose inputs need no grad; neither warning concerns the model.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    for _ in range(warmup):
+        step(model)
+    comm, log = CommDebugMode(), CollectiveLog()
+    with comm, log:
+        step(model)
+    forward_gathers = {name: sum(n for op, n in counts.get("forward", {}).items() if "allgather" in str(op))
+                       for name, counts in comm.comm_module_counts.items()}
+    return {"counts": {str(op): n for op, n in comm.get_comm_counts().items()}, "log": log.summary(),
+            "ring_bytes": {kind: log.ring_bytes_sent(kind) for kind in log.counts()},
+            "forward_gathers": forward_gathers}

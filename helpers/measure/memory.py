@@ -103,3 +103,78 @@ def cuda_memory(device) -> dict[str, int] | None:
     if device.type != "cuda":
         return None
     return {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}
+
+
+def whole_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds whole (not as a DTensor shard) beyond its sharded state.
+
+    Why: FSDP2 swaps a group's sharded DTensor parameters for all-gathered plain tensors while the group computes,
+    and frees them when it reshards. Read between forward and backward, this is what `reshard_after_forward`
+    decides: only the root's (default; the blocks resharded), or every group's (`False`, ZeRO-2-like). A model
+    with no DTensor parameter (DDP, one process) holds its parameters whole as its state: 0 beyond it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(model, FSDPModule):
+        return 0
+    return sum(tensor_bytes(p) for p in model.parameters() if not isinstance(p, DTensor))
+
+
+def step_memory(build, loss_of, device, lr: float = 1e-3) -> dict:
+    """What one rank holds for a training step of the model `build()` returns (DDP, FSDP or plain), with Adam.
+
+    Runs in a worker. `loss_of(model)` runs the forward and returns the loss. A first step creates Adam's state;
+    the second is measured: model state per part, held (a DTensor's own rows) and allocated (storages, FSDP2's
+    padding in), the activations saved for backward (`SavedActivations`, parameters excluded), and the parameters
+    held whole between forward and backward (`whole_parameter_bytes`). On a GPU also the CUDA allocator's view,
+    above what was allocated before `build()`: allocated after a step, the peak during the next one, and the
+    state rounded to the allocator's blocks. Everything it builds is freed when it returns.
+    """
+    from helpers.measure.activations import SavedActivations
+
+    base = cuda_memory(device)
+    model = build()
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    loss_of(model).backward()
+    optimizer.step()                                 # Adam's state now exists; gradients are kept
+    steady = cuda_memory(device)
+    if steady is not None:
+        torch.cuda.reset_peak_memory_stats(device)
+    with SavedActivations() as saved:
+        loss = loss_of(model)
+    whole = whole_parameter_bytes(model)
+    loss.backward()
+    optimizer.step()
+    out = {"held": model_state_bytes(model, optimizer), "allocated": allocated_state_bytes(model, optimizer),
+           "activations": saved.bytes, "whole_parameters": whole}
+    if base is not None:
+        out["cuda"] = {"steady": steady["allocated"] - base["allocated"],
+                       "peak": cuda_memory(device)["peak"] - base["allocated"],
+                       "state_rounded": sum(allocated_state_bytes(model, optimizer, CUDA_BLOCK_BYTES).values())}
+    return out
+
+
+def cuda_step_snapshot(build, loss_of, device, path: str) -> dict:
+    """One training step recorded by the CUDA caching allocator; rank 0 writes the snapshot to `path`.
+
+    Why: the byte counts above say how much; the snapshot says when and who. Dropped on
+    https://pytorch.org/memory_viz (nothing is uploaded) its 'Active Memory Timeline' stacks every allocation of
+    the step with the Python stack that made it. The second step is recorded, so Adam's state exists from its
+    start. Runs in a worker on a GPU; returns the step's peak allocated bytes and the path.
+    """
+    import torch.distributed as dist
+
+    model = build()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for step in range(2):
+        if step == 1:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            torch.cuda.reset_peak_memory_stats(device)
+        loss_of(model).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return {"peak": torch.cuda.max_memory_allocated(device), "path": path}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from helpers.plots import new_figure
 
 STATE_PARTS = ("parameters", "gradients", "optimizer")
-_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868",
+_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868", "whole_parameters": "#C44E52",
            "all_gather": "#4C72B0", "reduce_scatter": "#DD8452", "all_reduce": "#8172B3"}
 
 
@@ -15,7 +15,8 @@ def state_bytes_bars(rows: list[dict], zero_total: dict[int, float], unit: float
     """Model state per rank (stacked parameters, gradients, optimizer) for each strategy and world size.
 
     rows: one per (strategy, world_size), each {'strategy', 'world_size', 'parameters', 'gradients', 'optimizer',
-        'activations'} in bytes (the largest rank's figure).
+        'activations'} in bytes (the largest rank's figure), optionally 'whole_parameters' (FSDP's all-gathered
+        parameters held between forward and backward), stacked on top of the state.
     zero_total: {world_size: ZeRO's 16Ψ/N} drawn as a black tick over the FSDP bar of that world size.
     The right panel shows the activations saved for backward, which neither strategy shards.
     """
@@ -29,10 +30,10 @@ def state_bytes_bars(rows: list[dict], zero_total: dict[int, float], unit: float
             if row is None:
                 continue
             x, bottom = j + (i - (len(strategies) - 1) / 2) * width, 0.0
-            for part in STATE_PARTS:
+            for part in STATE_PARTS + (("whole_parameters",) if row.get("whole_parameters") else ()):
                 ax.bar(x, row[part] / unit, width * 0.9, bottom=bottom, color=_COLORS[part],
                        hatch="//" if strategy != strategies[0] else None, edgecolor="white",
-                       label=part if (i, j) == (0, 0) else None)
+                       label=part.replace("_", " ") if (i, j) == (0, 0) or part == "whole_parameters" else None)
                 bottom += row[part] / unit
             ax.annotate(strategy, (x, bottom), ha="center", va="bottom", fontsize=7)
             if strategy.upper().startswith("FSDP") and n in zero_total:
@@ -130,19 +131,33 @@ def precision_table(columns: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def state_table(sweep: dict[int, list[dict]], psi: int, padding: dict[int, int]) -> str:
-    """Bytes each rank allocated for parameters, gradients and optimizer state under DDP and FSDP at each world
-    size, beside ZeRO's 16Ψ (DDP) or 16Ψ/N (FSDP) and the activations saved; `padding` is FSDP2's padding
-    elements over all ranks per world size."""
-    lines = [f"{'N':>2} {'rank':>4} {'strategy':<8} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
-             f"{'total':>12} {'formula':>12} {'activations':>12}"]
-    for n, ranks in sweep.items():
-        for r in ranks:
-            for strategy in ("DDP", "FSDP"):
-                got = r[strategy]["allocated"]
-                formula = 16 * psi / (n if strategy == "FSDP" else 1)
-                lines.append(f"{n:>2} {r['rank']:>4} {strategy:<8} {got['parameters']:>12,} {got['gradients']:>12,} "
-                             f"{got['optimizer']:>12,} {sum(got.values()):>12,} {formula:>12,.0f} "
-                             f"{r[strategy]['activations']:>12,}")
-        lines.append(f"   padding at N = {n}: {padding[n]:,} elements over all ranks")
+def memory_table(ranks: list[dict], strategies: list[str], psi: int, padding: int) -> str:
+    """Bytes each rank allocated for parameters, gradients and optimizer state under each strategy at one world
+    size, beside ZeRO's 16Ψ (DDP) or 16Ψ/N (sharded), the parameters held whole between forward and backward and
+    the activations saved; `padding` is FSDP2's padding elements over all ranks. `ranks` as `one_step_memory`
+    returns them (a dict per rank with a result per strategy)."""
+    n = len(ranks)
+    lines = [f"{'rank':>4} {'strategy':<28} {'parameters':>11} {'gradients':>11} {'optimizer':>11} {'total':>11} "
+             f"{'formula':>11} {'whole params':>12} {'activations':>12}"]
+    for r in ranks:
+        for strategy in strategies:
+            got = r[strategy]["allocated"]
+            formula = 16 * psi / (1 if strategy == "DDP" else n)
+            lines.append(f"{r['rank']:>4} {strategy:<28} {got['parameters']:>11,} {got['gradients']:>11,} "
+                         f"{got['optimizer']:>11,} {sum(got.values()):>11,} {formula:>11,.0f} "
+                         f"{r[strategy]['whole_parameters']:>12,} {r[strategy]['activations']:>12,}")
+    lines.append(f"padding at N = {n}: {padding:,} elements over all ranks")
+    return "\n".join(lines)
+
+
+def step_time_table(times: dict[str, list[float] | str], base: str) -> str:
+    """Milliseconds per step, median [min, max], and the median's ratio to `base`'s; a failed entry as its text."""
+    median = lambda xs: sorted(xs)[len(xs) // 2]
+    lines = []
+    for label, seconds in times.items():
+        if isinstance(seconds, str):
+            lines.append(f"  {label:<32} {seconds}")
+            continue
+        lines.append(f"  {label:<32} {median(seconds) * 1e3:8.2f} [{min(seconds) * 1e3:.2f}, {max(seconds) * 1e3:.2f}]"
+                     f"   {median(seconds) / median(times[base]):5.2f}x the {base} step")
     return "\n".join(lines)
