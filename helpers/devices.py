@@ -110,7 +110,7 @@ def machine_facts() -> dict:
     accel = None
     if hasattr(torch, "accelerator") and gpus == 0:
         # Safe without GPUs: no CUDA context can be created. With GPUs we avoid it (it may initialise CUDA).
-        accel = torch.accelerator.current_accelerator()
+        accel = torch.accelerator.current_accelerator(check_available=True)  # CUDA build, no GPU: None
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
