@@ -282,7 +282,8 @@ def test_expected_payload_counts_powersgd_warm_up_steps_as_plain_fp32():
     compressed = 4 * ((64 + 32) * 1 + 64)
     got = measure_ddp.expected_payload(shapes, "powersgd", 1, steps=5, start_powersgd_iter=2)
     assert got == {"bytes_per_step": compressed, "expected_total": 2 * plain + 3 * compressed}
-    assert measure_ddp.expected_payload(shapes, "powersgd", 1, steps=1, start_powersgd_iter=2)["expected_total"] == plain
+    one_step = measure_ddp.expected_payload(shapes, "powersgd", 1, steps=1, start_powersgd_iter=2)
+    assert one_step["expected_total"] == plain
 
 
 @pytest.mark.parametrize("cap", [0.05, 25])

@@ -438,7 +438,8 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     """Per world size n: the medians of the DDP step, the same step under no_sync (compute only) and the
     all-reduce of its buckets alone; samples/s; and the share of the all-reduce time hidden behind backward,
     1 - (step - compute) / all-reduce (nan at n = 1). Where the largest n exceeds the GPUs every n runs on CPU
-    ranks with the GPUs hidden, so that T_n / (n T_1) compares one kind of device. Rows for
+    ranks with the GPUs hidden and one thread each (a core is the device: at n = 1 the launcher would give the
+    rank every core), so that T_n / (n T_1) compares one kind of device. Rows for
     helpers.plots.training.scaling; "times" holds each variant's repeats, at n = 1 also the plain module's step
     without DDP ("plain"), timed side by side: DDP's own overhead. Every rank's parameters agree (checked)."""
     import statistics
@@ -450,7 +451,8 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     for n in sizes:
         variants = {**modes, "plain": {"ddp": None}} if n == 1 else modes
         ranks = launch(step_times, model_factory, per_rank, variants, repeats, world_size=n, timeout=timeout,
-                       env=cpu_ranks_env(max(sizes), gpus))  # one device kind for every n: T_n / (n T_1) compares
+                       env=cpu_ranks_env(max(sizes), gpus),  # one device kind for every n: T_n / (n T_1) compares
+                       threads=1 if gpus < max(sizes) else None)  # CPU ranks: one core each at every n, n = 1 too
         if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
             raise AssertionError(f"world size {n}: the replicas drifted apart")
         t = {m: statistics.median(ranks[0][m]["times"]) for m in modes}
@@ -526,6 +528,6 @@ def _traced(model_factory, batch_size, ddp_kwargs, trace_dir, warmup, seed, devi
                 torch.cuda.synchronize(device)
     path = os.path.join(trace_dir, f"ddp_step_rank{dist.get_rank()}.json")
     prof.export_chrome_trace(path)
-    gpu = device.type == "cuda"
+    comm, compute = (_is_gpu_comm, _is_gpu_compute) if device.type == "cuda" else (is_comm, is_compute)
     return {"trace": path, "allreduces": sum(event.name == "c10d::allreduce_" for event in prof.events()),
-            "overlap": overlap(path, comm=_is_gpu_comm if gpu else is_comm, compute=_is_gpu_compute if gpu else is_compute)}
+            "overlap": overlap(path, comm=comm, compute=compute)}

@@ -66,7 +66,8 @@ def delay_all_reduce(sweep: dict, where: str) -> str:
                 f"compute only {ms['no_sync']:.2f} ms; all-reduce after backward {ms['delayed']:.2f} ms; PyTorch "
                 f"DDP's overlapped step {ms['step']:.2f} ms: delaying takes {change:+.0f}% (noise allows "
                 f"{noise[0]:+.0f}% to {noise[1]:+.0f}%)",
-                verdict(-change, 0, None, applicable=False, reason=f"the claim is for nodes more than 5 ms apart; {where}"))
+                verdict(-change, 0, None, applicable=False,
+                        reason=f"the claim is for nodes more than 5 ms apart; {where}"))
 
 
 def find_unused_memory(ranks: list[dict]) -> str:
@@ -95,8 +96,9 @@ def zero2(where: str) -> list[str]:
     return [_say("seed 004): ZeRO-2 cuts memory by 43% (32 GPUs, 4 nodes x 8 A100)",
                  f"formula at 32 GPUs: {cut(32, False):.1f}% (fp32 Adam) or {cut(32, True):.1f}% (mixed precision)",
                  verdict(cut(32, False), 43, 43, slack=5, unit="%")),
-            _say("seed 004), the same as a whole-job measurement", "not run", verdict(None, 43, 43, applicable=False, reason=(
-                f"the claim's setting is 32 A100s; {where}, and activations (not sharded) would dilute the cut")))]
+            _say("seed 004), the same as a whole-job measurement", "not run", verdict(
+                None, 43, 43, applicable=False, reason=f"the claim's setting is 32 A100s; {where}, and activations "
+                                                       "(not sharded) would dilute the cut"))]
 
 
 def scaling(rows: list[dict], gpus: int, cores: int) -> list[str]:
@@ -109,7 +111,8 @@ def scaling(rows: list[dict], gpus: int, cores: int) -> list[str]:
     out = [_say(f"{claim} (efficiency {lo:.2f}-{hi:.2f})", here, verdict(
         top["efficiency"], lo, hi, spread=(low, high), applicable=top["world_size"] == n <= gpus,
         reason=f"the claim is for {n} GPUs")) for claim, n, lo, hi in (
-        ("seed 001): 8 GPUs give a 5-7x speed-up", 8, 5 / 8, 7 / 8), ("seed 004): 32 GPUs give 28x", 32, 28 / 32, 28 / 32))]
+        ("seed 001): 8 GPUs give a 5-7x speed-up", 8, 5 / 8, 7 / 8),
+        ("seed 004): 32 GPUs give 28x", 32, 28 / 32, 28 / 32))]
     out.append(_say("seed 001): DDP is 3-5x faster than nn.DataParallel on 8 V100s", "not run", verdict(
         None, 3, 5, applicable=False, reason=f"DataParallel drives several GPUs from one process; this machine has "
                                              f"{gpus} GPU(s), the claim's setting is 8 V100s")))
@@ -122,7 +125,8 @@ def loader(rates: dict, workers: int, pin: bool, machine: str) -> list[str]:
     per_sample = [[1 / r for r in rs] for rs in rates.values()]
     gain, noise = percent_change(per_sample[0], per_sample[1])
     first = _say("seed 000): num_workers = 4 x GPUs with pin_memory loads 37% faster (Linode GPU instance)",
-                 f"{gain:+.0f}% with {workers} workers against none (noise allows {noise[0]:+.0f}% to {noise[1]:+.0f}%)",
+                 f"{gain:+.0f}% with {workers} workers against none (noise allows {noise[0]:+.0f}% to "
+                 f"{noise[1]:+.0f}%)",
                  verdict(gain, 37, 37, slack=5, unit="%", spread=noise, applicable=pin,
                          reason=f"pin_memory only matters with a GPU, and 4 x 0 GPUs is no worker; here {machine}"))
     gain, noise = percent_change(per_sample[1], per_sample[2])
@@ -141,5 +145,6 @@ def overhead(ddp_times: list[float], plain_times: list[float], target: float, se
     print(f"world size 1, {setting}: plain step {median(plain_times) * 1e3:.2f} ms, DDP step "
           f"{median(ddp_times) * 1e3:.2f} ms\nDDP overhead {change:+.1f}% (noise allows {low:+.1f}% to {high:+.1f}%); "
           f"the target of at most {target:g}%: "
-          + ("met" if high <= target else "missed" if low > target else f"inconclusive (the noise straddles {target:g}%)"))
+          + ("met" if high <= target else "missed" if low > target
+             else f"inconclusive (the noise straddles {target:g}%)"))
     return change
