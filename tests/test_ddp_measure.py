@@ -272,3 +272,28 @@ def test_weak_scaling_rows_and_the_plain_step_at_world_size_one():
     assert [r["world_size"] for r in rows] == [1, 2] and rows[0]["efficiency"] == 1.0
     assert set(rows[0]["times"]) == {"step", "no_sync", "allreduce", "plain"} and "plain" not in rows[1]["times"]
     assert all(r["samples_per_s"] > 0 and len(r["rates"]) == 2 for r in rows)
+
+
+def test_expected_payload_counts_powersgd_warm_up_steps_as_plain_fp32():
+    shapes = [(64, 32), (64,)]
+    plain = 4 * (64 * 32 + 64)
+    assert measure_ddp.expected_payload(shapes, "fp16", None, steps=3) == {"bytes_per_step": plain // 2,
+                                                                           "expected_total": 3 * plain // 2}
+    compressed = 4 * ((64 + 32) * 1 + 64)
+    got = measure_ddp.expected_payload(shapes, "powersgd", 1, steps=5, start_powersgd_iter=2)
+    assert got == {"bytes_per_step": compressed, "expected_total": 2 * plain + 3 * compressed}
+    one_step = measure_ddp.expected_payload(shapes, "powersgd", 1, steps=1, start_powersgd_iter=2)
+    assert one_step["expected_total"] == plain
+
+
+@pytest.mark.parametrize("cap", [0.05, 25])
+def test_traced_step_makes_one_all_reduce_per_planned_bucket_and_measures_its_overlap(tmp_path, cap):
+    model_of = functools.partial(DigitsMLP, 64, 3)
+    ranks = helpers.launch(measure_ddp.traced_step, model_of, 8, {"bucket_cap_mb": cap}, str(tmp_path), world_size=2,
+                           timeout=120)
+    for rank, r in enumerate(ranks):
+        assert r["allreduces"] == len(bucket_plan(model_of(), cap))
+        assert r["trace"] == str(tmp_path / f"ddp_step_rank{rank}.json") and os.path.exists(r["trace"])
+        m = r["overlap"]
+        assert m["comm_us"] > 0 and m["compute_us"] > 0 and 0 <= m["overlap_us"] <= min(m["comm_us"], m["compute_us"])
+        assert m["exposed_comm_us"] == pytest.approx(m["comm_us"] - m["overlap_us"])

@@ -73,3 +73,13 @@ def test_compression_without_step_times_draws_two_panels():
     rows = [{"method": "allreduce", "bytes_per_step": 4e6, "accuracy": 0.95},
             {"method": "fp16", "bytes_per_step": 2e6, "accuracy": 0.95}]
     assert [len(ax.patches) for ax in training.compression(rows).axes] == [2, 2]
+
+
+def test_overlap_timeline_draws_two_rows_of_spans_per_rank():
+    measured = [{"compute_intervals": [(100.0, 300.0)], "comm_intervals": [(250.0, 400.0), (450.0, 500.0)]},
+                {"compute_intervals": [(0.0, 50.0)], "comm_intervals": []}]
+    fig = training.overlap_timeline(measured)
+    ax = fig.axes[0]
+    assert len(ax.collections) == 4 and len(ax.get_yticks()) == 4
+    spans = ax.collections[1].get_paths()  # rank 0's communication, in ms from its first span
+    assert len(spans) == 2 and spans[0].get_extents().x0 == pytest.approx(0.15)

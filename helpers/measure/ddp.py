@@ -207,6 +207,17 @@ def hook_payload_bytes(shapes: list[tuple[int, ...]], method: str, rank: int | N
     raise ValueError(f"unknown method {method!r}: use 'allreduce', 'fp16', 'bf16' or 'powersgd'")
 
 
+def expected_payload(shapes: list[tuple[int, ...]], method: str, rank: int | None, steps: int,
+                     start_powersgd_iter: int = 0) -> dict:
+    """What a run of `steps` steps with a comm hook should hand to dist.all_reduce, by the closed form:
+    {"bytes_per_step": the hook's payload, "expected_total": all steps together}. PowerSGD all-reduces plain fp32
+    gradients for its first `start_powersgd_iter` steps (its warm-up), then the compressed P and Q."""
+    per_step = hook_payload_bytes(shapes, method, rank)
+    plain_steps = min(start_powersgd_iter, steps) if method == "powersgd" else 0
+    total = plain_steps * hook_payload_bytes(shapes, "allreduce") + (steps - plain_steps) * per_step
+    return {"bytes_per_step": per_step, "expected_total": total}
+
+
 # ----------------------------------------------------------------------------------------------- CPU ranks
 
 
@@ -330,6 +341,8 @@ def step_times(model_factory, batch_size: int, variants: dict, repeats: int, see
 
     device = rank_device()
     backend = default_backend()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any collective: CUDA events and NCCL on this rank's own GPU
     dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     try:
         x, y = _digits_batch(batch_size, device)
@@ -425,7 +438,8 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     """Per world size n: the medians of the DDP step, the same step under no_sync (compute only) and the
     all-reduce of its buckets alone; samples/s; and the share of the all-reduce time hidden behind backward,
     1 - (step - compute) / all-reduce (nan at n = 1). Where the largest n exceeds the GPUs every n runs on CPU
-    ranks with the GPUs hidden, so that T_n / (n T_1) compares one kind of device. Rows for
+    ranks with the GPUs hidden and one thread each (a core is the device: at n = 1 the launcher would give the
+    rank every core), so that T_n / (n T_1) compares one kind of device. Rows for
     helpers.plots.training.scaling; "times" holds each variant's repeats, at n = 1 also the plain module's step
     without DDP ("plain"), timed side by side: DDP's own overhead. Every rank's parameters agree (checked)."""
     import statistics
@@ -437,7 +451,8 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     for n in sizes:
         variants = {**modes, "plain": {"ddp": None}} if n == 1 else modes
         ranks = launch(step_times, model_factory, per_rank, variants, repeats, world_size=n, timeout=timeout,
-                       env=cpu_ranks_env(max(sizes), gpus))  # one device kind for every n: T_n / (n T_1) compares
+                       env=cpu_ranks_env(max(sizes), gpus),  # one device kind for every n: T_n / (n T_1) compares
+                       threads=1 if gpus < max(sizes) else None)  # CPU ranks: one core each at every n, n = 1 too
         if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
             raise AssertionError(f"world size {n}: the replicas drifted apart")
         t = {m: statistics.median(ranks[0][m]["times"]) for m in modes}
@@ -448,3 +463,71 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     for r in rows:
         r["efficiency"] = r["samples_per_s"] / (r["world_size"] * rows[0]["samples_per_s"])
     return rows
+
+
+# ----------------------------------------------------------------------------------------------- overlap
+
+
+def _is_gpu_comm(event: dict) -> bool:
+    return event.get("cat") == "kernel" and "nccl" in event.get("name", "").lower()
+
+
+def _is_gpu_compute(event: dict) -> bool:
+    return event.get("cat") == "kernel" and "nccl" not in event.get("name", "").lower()
+
+
+def traced_step(model_factory, batch_size: int, ddp_kwargs: dict, trace_dir: str, warmup: int = 2,
+                seed: int = 0) -> dict:
+    """A measurement worker (launch it, or `Workers.run` it; it joins the process group itself): one DDP step
+    profiled, and how much of its gradient communication ran while computation ran.
+
+    Why a worker here: the notebook teaches `bucket_cap_mb`; the profiler, the trace file and the interval
+    arithmetic (helpers.measure.trace_overlap) are book-keeping around it. The step is profiled after `warmup`
+    steps, so DDP has rebuilt its buckets in ready order (what `bucket_plan` predicts). On CPU ranks the spans are
+    the profiler's host events (gloo's all-reduces on its own threads, backward's ops on autograd's); on GPU ranks
+    the device's kernels (NCCL kernels against the others), since host events only show when work was queued.
+    Returns {"trace": the Chrome trace's path (open it in Perfetto), "allreduces": c10d all-reduce calls in the
+    step (one per bucket), "overlap": trace_overlap.overlap(...) of this rank's trace}.
+    """
+    import os
+
+    from helpers.devices import default_backend, rank_device
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # the profiler's start/stop lines on every rank: silenced
+    device = rank_device()
+    backend = default_backend()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any collective: NCCL's communicator on this rank's own GPU
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    try:
+        return _traced(model_factory, batch_size, ddp_kwargs, trace_dir, warmup, seed, device)
+    finally:
+        gc.collect()  # DDP's reducer died with _traced's frame: nothing holds gloo work at destroy_process_group
+        dist.destroy_process_group()
+
+
+def _traced(model_factory, batch_size, ddp_kwargs, trace_dir, warmup, seed, device) -> dict:
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from helpers.measure.trace_overlap import is_comm, is_compute, overlap
+
+    x, y = _digits_batch(batch_size, device)
+    torch.manual_seed(seed)
+    model = torch.nn.parallel.DistributedDataParallel(
+        model_factory().to(device), device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
+    for step in range(warmup + 1):  # the last step profiled: by then DDP has rebuilt its buckets in ready order
+        if step == warmup:
+            dist.barrier()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) if step == warmup else contextlib.nullcontext() as prof:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    path = os.path.join(trace_dir, f"ddp_step_rank{dist.get_rank()}.json")
+    prof.export_chrome_trace(path)
+    comm, compute = (_is_gpu_comm, _is_gpu_compute) if device.type == "cuda" else (is_comm, is_compute)
+    return {"trace": path, "allreduces": sum(event.name == "c10d::allreduce_" for event in prof.events()),
+            "overlap": overlap(path, comm=comm, compute=compute)}

@@ -1,4 +1,5 @@
-"""Figures of notebook 02 (DDP): loss and accuracy curves, the bucket sweep, compression, ZeRO bytes, scaling.
+"""Figures of notebook 02 (DDP): loss and accuracy curves, the bucket sweep and overlap, compression, ZeRO bytes,
+scaling.
 
 Each function takes what the workers measured (plain lists and dicts) and returns the Figure; none measures.
 """
@@ -152,4 +153,23 @@ def scaling(rows: list[dict], warn_above: int | None = None):
         ax.set_xticks(ns)
         if warn_above is not None and max(ns) > warn_above:
             ax.axvspan(warn_above + 0.5, max(ns) + 0.5, color="red", alpha=0.08)
+    return fig
+
+
+def overlap_timeline(measured: list[dict], title: str = "one DDP step: computation and communication"):
+    """Per rank, the computation and communication spans of one step on one time axis (ms from the rank's first
+    span); measured[rank] is helpers.measure.trace_overlap.overlap(...) of that rank's trace."""
+    fig, (ax,) = new_figure(width=8.0, height=1.2 + 0.9 * len(measured))
+    for rank, m in enumerate(measured):
+        spans = m["compute_intervals"] + m["comm_intervals"]
+        t0 = min((a for a, _ in spans), default=0.0)
+        for row, (key, colour, label) in enumerate((("compute_intervals", "C0", "computation"),
+                                                    ("comm_intervals", "C1", "communication (all-reduce)"))):
+            ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in m[key]], (2 * rank + row - 0.4, 0.8),
+                           color=colour, label=label if rank == 0 else None)
+    ax.set_yticks([2 * r + k for r in range(len(measured)) for k in (0, 1)],
+                  [f"rank {r} {k}" for r in range(len(measured)) for k in ("compute", "comm")])
+    ax.set_xlabel("ms since the rank's first span")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
     return fig
