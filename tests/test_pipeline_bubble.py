@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, ir_report, measured_idle_fraction,
-                                      orders_from_ir, orders_from_log, replay, step_seconds, summarize_runs)
+                                      orders_from_ir, orders_from_log, peaks_table, replay, step_seconds, summarize_runs)
 
 
 def gpipe(p: int, m: int) -> dict:
@@ -104,3 +104,13 @@ def test_ir_report_shows_where_the_ir_differs():
     report = ir_report(row)
     assert "differs on ranks [1]" in report and "cannot be replayed" in report
     assert "rank 1 IR:       F1 B0" in report and "rank 1 executed: F0 B0 F1 B1" in report
+
+
+def test_peaks_table_one_line_per_m_with_a_dash_where_a_schedule_did_not_run():
+    rows = [{"schedule": "gpipe", "m": 1, "peak_saved": {0: 1000, 1: 2000}},
+            {"schedule": "gpipe", "m": 2, "peak_saved": {0: 2000, 1: 4000}},
+            {"schedule": "1f1b", "m": 2, "peak_saved": {0: 2000, 1: 2000}}]
+    lines = peaks_table(rows, ("gpipe", "1f1b")).splitlines()
+    assert lines[1].split() == ["m", "gpipe", "s=0", "1f1b", "s=0", "gpipe", "s=1", "1f1b", "s=1"]
+    assert lines[2].split() == ["1", "1,000", "-", "2,000", "-"]
+    assert lines[3].split() == ["2", "2,000", "2,000", "4,000", "2,000"]

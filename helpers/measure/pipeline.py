@@ -163,6 +163,19 @@ def ir_report(row: dict) -> str:
     return "\n".join(lines)
 
 
+def peaks_table(rows: list[dict], schedules: tuple[str, ...]) -> str:
+    """Peak bytes saved for backward per stage (rank s) and schedule, one line per m, '-' where a schedule did
+    not run at that m. rows: `summarize_runs` rows."""
+    peak = {(row["schedule"], row["m"], s): b for row in rows for s, b in row["peak_saved"].items()}
+    ranks = sorted({s for _, _, s in peak})
+    lines = ["peak bytes saved for backward, per rank (= stage s)",
+             f"{'m':>3} " + " ".join(f"{f'{name} s={s}':>14}" for s in ranks for name in schedules)]
+    for m in sorted({m for _, m, _ in peak}):
+        lines.append(f"{m:>3} " + " ".join(f"{format(peak[(n, m, s)], ',') if (n, m, s) in peak else '-':>14}"
+                                           for s in ranks for n in schedules))
+    return "\n".join(lines)
+
+
 class _Saved:
     """What the pack hook hands autograd: the tensor, and a release of its bytes when autograd lets it go."""
 

@@ -144,7 +144,8 @@ def bubble_step(row: dict, sweep: list[dict] = ()):
     _draw_timeline(left, row["events"], f"{row['schedule']}, m = {row['m']}: what each rank did (measured)")
     p, v = row["p"], row["v"]
     mine = sorted((r["m"], r["measured"]) for r in sweep if r["schedule"] == row["schedule"])
-    ms = np.geomspace(1, max([32, row["m"]] + [m for m, _ in mine]), 200)
+    top = max([32, row["m"]] + [m for m, _ in mine])
+    ms = np.geomspace(1, top, 200)
     right.plot(ms, (p - 1) / (v * ms + p - 1), color=_RANK_COLORS[0], lw=1, ls="--",
                label=f"(p - 1)/(v·m + p - 1), p = {p}, v = {v}")
     if mine:
@@ -152,6 +153,8 @@ def bubble_step(row: dict, sweep: list[dict] = ()):
     right.plot([row["m"]], [row["counted"]], "o", mfc="none", color=_RANK_COLORS[0], label="counted (this step)")
     right.plot([row["m"]], [row["measured"]], "*", ms=12, color=_RANK_COLORS[3], label="measured (this step)")
     right.set_xscale("log", base=2)
+    ticks = [2 ** k for k in range(int(np.log2(top)) + 1)]
+    right.set_xticks(ticks, [str(t) for t in ticks])
     right.set_ylim(0, 1)
     right.set_xlabel("micro-batches m")
     right.set_ylabel("idle fraction of the step")
