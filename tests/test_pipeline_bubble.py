@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, ir_report, measured_idle_fraction,
-                                      orders_from_ir, orders_from_log, peaks_table, replay, step_seconds, summarize_runs)
+                                      orders_from_ir, orders_from_log, peaks_table, replay, step_seconds,
+                                      summarize_runs)
 
 
 def gpipe(p: int, m: int) -> dict:

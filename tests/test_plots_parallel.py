@@ -50,3 +50,14 @@ def test_bubble_step_draws_the_step_and_the_formula_beside_the_sweep():
     curve, crosses, counted, star = right.lines
     assert abs(curve.get_ydata()[0] - 0.5) < 1e-12  # (p - 1)/(m + p - 1) at m = 1
     assert list(crosses.get_xdata()) == [1, 2, 4] and list(star.get_ydata()) == [0.5]
+
+
+def test_show_closes_the_figure_it_displays(capsys):
+    import matplotlib.pyplot as plt
+
+    from helpers.plots import new_figure, show
+
+    fig, _ = new_figure()
+    show(fig)
+    assert fig.number not in plt.get_fignums()  # nothing left open for a later flush to draw again
+    assert "Figure" in capsys.readouterr().out  # displayed (outside IPython: its text form)
