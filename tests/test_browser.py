@@ -1,11 +1,14 @@
-"""Notebook 00 in a real JupyterLab page, driven by a real browser: what a reader sees, not what papermill sees.
+"""Notebooks in a real JupyterLab page, driven by a real browser: what a reader sees, not what papermill sees.
 
 JupyterLab runs from this environment on 127.0.0.1 (a free port, a random token) over a fresh copy of notebooks/
-and scripts/ in a temporary folder, with the `parameters` cell set to SMOKE = True. Debian's headless Chromium,
-driven by chromedriver through Selenium (both from /usr/bin, nothing downloaded), opens notebook 00, runs every cell
-from the Run menu, saves it from the File menu, and the test checks the saved notebook and the page: no error
-output, no traceback on the page, every widget rendered (the per-rank tabs included), the figure present. A
-screenshot goes to outputs/browser/ for a person to look at.
+and scripts/ in a temporary folder, with the notebook's `parameters` cell set to SMOKE = True. Debian's headless
+Chromium, driven by chromedriver through Selenium (both from /usr/bin, nothing downloaded), opens the notebook, runs
+every cell from the Run menu, saves it from the File menu, and the test checks the saved notebook and the page: no
+error output, no traceback on the page, every widget rendered, the figures present. Each notebook has its own
+server and browser, stopped with everything they started. Notebook 00 shows per-rank output tabs; notebook 08 an
+explorer (helpers.explore), whose controls the test sets to values other than the defaults before pressing its Run
+button, and whose output must then appear: the one thing papermill cannot check. A screenshot of each notebook
+goes to outputs/browser/ for a person to look at.
 
 Needs /usr/bin/chromium and /usr/bin/chromedriver (`apt-get install chromium chromium-driver`) and selenium (the
 `test` extra). Without them the test skips, unless CI=true, where it fails. Deselect it with `-m "not browser"`.
@@ -13,6 +16,7 @@ Needs /usr/bin/chromium and /usr/bin/chromedriver (`apt-get install chromium chr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -34,9 +38,30 @@ from helpers.paths import NOTEBOOKS, OUTPUTS, REPO_ROOT, SCRIPTS
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-NOTEBOOK = "00_launching_workers.ipynb"
-SCREENSHOT = OUTPUTS / "browser" / "00_launching_workers.png"
-FAILED_SCREENSHOT = SCREENSHOT.with_name("00_launching_workers.failed.png")
+SCREENSHOTS = OUTPUTS / "browser"
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """What a notebook must show in the page once all its cells have run in smoke mode."""
+
+    notebook: str
+    figures: int  # matplotlib PNGs, at least (on the page and in the saved notebook)
+    tabs: int = 0  # per-rank output tabs (ipywidgets Tab), at least
+    explore: tuple[tuple[str, str], ...] = ()  # an explorer's (control, option to pick) for one press of Run
+    explored: tuple[str, ...] = ()  # text the press's output must show (beside a figure)
+
+    @property
+    def screenshot(self) -> Path:
+        return SCREENSHOTS / self.notebook.replace(".ipynb", ".png")
+
+
+PAGES = [
+    Page("00_launching_workers.ipynb", figures=1, tabs=1),
+    # the bubble sweep and the explorer's default step; a press with GPipe at m = 8 (defaults: 1F1B, m = 4)
+    Page("08_pipeline_parallel.ipynb", figures=2, explore=(("n_microbatches", "8"), ("schedule", "gpipe")),
+         explored=("gpipe, p = ", ", v = 1, m = 8: step ")),
+]
 
 # Generous on purpose: the machines this runs on are small and often busy.
 SERVER_START_S = 180
@@ -44,6 +69,7 @@ PAGE_READY_S = 300
 RUN_ALL_S = 15 * 60
 WIDGETS_S = 180
 SAVE_S = 120
+EXPLORE_S = 300
 
 CHROMIUM_FLAGS = [
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -92,16 +118,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _copy_project(root: Path) -> Path:
-    """notebooks/ and scripts/ side by side under root (notebook 00 runs ../scripts/, writes ../outputs/)."""
+def _copy_project(root: Path, notebook: str) -> Path:
+    """notebooks/ and scripts/ side by side under root (notebooks run ../scripts/, write ../outputs/); `notebook`
+    in smoke mode."""
     shutil.copytree(NOTEBOOKS, root / "notebooks", ignore=shutil.ignore_patterns(".ipynb_checkpoints", "outputs"))
     shutil.copytree(SCRIPTS, root / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
-    path = root / "notebooks" / NOTEBOOK
+    path = root / "notebooks" / notebook
     nb = json.loads(path.read_text())
     cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
     source = "".join(cell["source"])
     smoke, n = re.subn(r"^SMOKE\s*=.*$", "SMOKE = True  # set by tests/test_browser.py", source, flags=re.M)
-    assert n == 1, f"{NOTEBOOK}'s parameters cell has no 'SMOKE = ...' line"
+    assert n == 1, f"{notebook}'s parameters cell has no 'SMOKE = ...' line"
     cell["source"] = smoke.splitlines(keepends=True)
     path.write_text(json.dumps(nb, indent=1) + "\n")
     return path
@@ -279,6 +306,8 @@ return {
   widgetErrors: (text.match(/Error displaying widget/g) || []).length,
   tabs: panel.querySelectorAll('.jp-OutputArea .jupyter-widgets.widget-tab, .jp-OutputArea .widget-tab').length,
   images: panel.querySelectorAll('.jp-OutputArea img[src^="data:image/png"]').length,
+  runButtons: [...panel.querySelectorAll('.jp-OutputArea .widget-interact button')]
+    .filter(b => b.textContent.trim() === 'Run').length,
 };
 """
 
@@ -291,11 +320,12 @@ def _tracebacks(state: dict) -> list[str]:
     return [t[:2000] for t in state["stderr"] if IPYTHON_TRACEBACK.search(t)]
 
 
-def _run_notebook_in_page(driver, base: str, token: str, saved: Path, code_cells: int):
-    """Open, Run All Cells, Save, screenshot; returns (saved notebook, page after the run, page at the end)."""
+def _run_notebook_in_page(driver, base: str, token: str, saved: Path, code_cells: int, page: Page):
+    """Open, Run All Cells, Save, press the explorer's Run if `page` says so, screenshot; returns (saved notebook,
+    page after the run, page at the end, the explorer's output text or None)."""
     from selenium.webdriver.common.by import By
 
-    driver.get(f"{base}/lab/tree/notebooks/{NOTEBOOK}?token={token}")
+    driver.get(f"{base}/lab/tree/notebooks/{page.notebook}?token={token}")
     state = lambda: driver.execute_script(PAGE_STATE_JS)  # noqa: E731
 
     def ready():
@@ -336,6 +366,8 @@ def _run_notebook_in_page(driver, base: str, token: str, saved: Path, code_cells
     dirty = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-mod-dirty, .lm-DockPanel-tabBar .jp-mod-dirty"
     _wait("the page to show it saved", SAVE_S, lambda: not driver.find_elements(By.CSS_SELECTOR, dirty))
 
+    explored = _press_explorer(driver, page, state) if page.explore else None
+
     # the window as tall as the notebook (at most 16000 px), scrolled to the top: one picture of every output
     height = driver.execute_script(SCROLLER_JS + "return n ? n.scrollHeight - n.clientHeight : 0;")
     size = driver.get_window_size()
@@ -343,30 +375,105 @@ def _run_notebook_in_page(driver, base: str, token: str, saved: Path, code_cells
     time.sleep(2)
     driver.execute_script(SCROLLER_JS + "if (n) n.scrollTop = 0;")
     time.sleep(1)
-    assert driver.save_screenshot(str(SCREENSHOT)), "the screenshot was not written"
-    print(f"screenshot: {SCREENSHOT}")
-    return nb, after_run, state()
+    assert driver.save_screenshot(str(page.screenshot)), "the screenshot was not written"
+    print(f"screenshot: {page.screenshot}")
+    return nb, after_run, {**state(), "ink": driver.execute_script(FIGURES_JS)}, explored
+
+
+# The share of a PNG's pixels in dark ink (text, spines, ticks: matplotlib draws them black), once decoded. A whole
+# figure of this cookbook has about 2 %; the blank or half-drawn images an explorer once showed had 0 to 0.1 %.
+INK_JS = r"""
+const ink = img => {
+  if (!img.complete || !img.naturalWidth) return 0;
+  const c = document.createElement('canvas');
+  c.width = img.naturalWidth; c.height = img.naturalHeight;
+  const g = c.getContext('2d');
+  g.drawImage(img, 0, 0);
+  const d = g.getImageData(0, 0, c.width, c.height).data;
+  let n = 0;
+  for (let i = 0; i < d.length; i += 4) if (d[i] < 80 && d[i + 1] < 80 && d[i + 2] < 80 && d[i + 3] > 128) n++;
+  return n / (c.width * c.height);
+};
+"""
+DRAWN_INK = 0.005
+
+# Every figure on the page, as its share of dark ink.
+FIGURES_JS = INK_JS + r"""
+const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+return [...panel.querySelectorAll('.jp-OutputArea img[src^="data:image/png"]')].map(ink);
+"""
+
+# The explorer's output (ipywidgets `interactive` in manual mode: controls, a Run button, an Output widget).
+EXPLORER_OUTPUT_JS = INK_JS + r"""
+const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea .widget-interact');
+const out = panel && panel.querySelector('.widget-output');
+return out ? {text: out.textContent, ink: [...out.querySelectorAll('img[src^="data:image/png"]')].map(ink)} : null;
+"""
+
+
+def _press_explorer(driver, page: Page, state) -> str:
+    """Set the explorer's dropdowns to `page.explore`'s options, press Run, wait for its output and an idle kernel;
+    returns the output's text."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    panels = driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea "
+                                                   ".widget-interact")
+    assert len(panels) == 1, f"{page.notebook}: expected one explorer on the page, found {len(panels)}"
+    panel = panels[0]
+    dropdowns = {box.find_element(By.CSS_SELECTOR, "label").text.strip(): box.find_element(By.TAG_NAME, "select")
+                 for box in panel.find_elements(By.CSS_SELECTOR, ".widget-dropdown")}
+    for name, option in page.explore:
+        assert name in dropdowns, f"no control {name!r} in the explorer; it has {sorted(dropdowns)}"
+        select = Select(dropdowns[name])
+        assert select.first_selected_option.text.strip() != option, f"{name} already shows {option}: not a change"
+        select.select_by_visible_text(option)
+        assert select.first_selected_option.text.strip() == option
+    buttons = [b for b in panel.find_elements(By.TAG_NAME, "button") if b.text.strip() == "Run"]
+    assert len(buttons) == 1, f"expected the explorer's one Run button, found {len(buttons)}"
+    started = time.monotonic()
+    buttons[0].click()
+
+    def shown():
+        out = driver.execute_script(EXPLORER_OUTPUT_JS)
+        assert not (out and IPYTHON_TRACEBACK.search(out["text"])), "the press raised:\n" + out["text"][-3000:]
+        s = state()
+        done = (out and all(t in out["text"] for t in page.explored) and any(i >= DRAWN_INK for i in out["ink"])
+                and s["kernel"] == "Idle")
+        return out if done else None
+
+    out = _wait(f"the explorer's output after Run ({', '.join(page.explored)} and a figure drawn whole)",
+                EXPLORE_S, shown, 2.0)
+    print(f"explorer press: {time.monotonic() - started:.0f} s; it printed: {out['text'].strip()[:300]}")
+    driver.execute_script("arguments[0].scrollIntoView();", panel)
+    time.sleep(1)
+    shot = page.screenshot.with_suffix(".explorer.png")
+    assert panel.screenshot(str(shot)), "the explorer's screenshot was not written"
+    print(f"explorer screenshot: {shot}")
+    return out["text"]
 
 
 @pytest.mark.browser
 @pytest.mark.timeout(RUN_ALL_S + 15 * 60)
-def test_notebook_00_runs_in_jupyterlab(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("page", PAGES, ids=[p.notebook.split("_")[0] for p in PAGES])
+def test_notebook_runs_in_jupyterlab(page: Page, tmp_path: Path, monkeypatch):
     webdriver = _require_tools()
     root, work = tmp_path / "project", tmp_path / "work"
     root.mkdir()
     work.mkdir()
-    saved = _copy_project(root)
+    saved = _copy_project(root, page.notebook)
     code_cells = sum(c["cell_type"] == "code" for c in json.loads(saved.read_text())["cells"])
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    FAILED_SCREENSHOT.unlink(missing_ok=True)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    failed_screenshot = page.screenshot.with_suffix(".failed.png")
+    failed_screenshot.unlink(missing_ok=True)
 
     with _jupyterlab(root, work) as (base, token), _chromium(webdriver, work, monkeypatch) as driver:
         try:
-            nb, after_run, final = _run_notebook_in_page(driver, base, token, saved, code_cells)
+            nb, after_run, final, explored = _run_notebook_in_page(driver, base, token, saved, code_cells, page)
         except BaseException:  # a failure or a timeout: what the page showed then, for a person to look at
             with contextlib.suppress(Exception):
-                driver.save_screenshot(str(FAILED_SCREENSHOT))
-                print(f"page at the failure: {FAILED_SCREENSHOT}")
+                driver.save_screenshot(str(failed_screenshot))
+                print(f"page at the failure: {failed_screenshot}")
                 print(f"JupyterLab's log:\n{_log_tail(work / 'jupyterlab.log')}")
             raise
 
@@ -376,7 +483,12 @@ def test_notebook_00_runs_in_jupyterlab(tmp_path: Path, monkeypatch):
     assert not _tracebacks(final), "the page shows a traceback"
     assert after_run["widgetErrors"] == 0 and final["widgetErrors"] == 0, "the page shows 'Error displaying widget'"
     assert final["loading"] == 0, "a widget is still 'Loading widget...'"
-    assert final["tabs"] >= 1, "no per-rank output tabs (ipywidgets Tab) rendered in the outputs"
-    assert final["images"] >= 1, "no matplotlib figure (PNG) rendered in the outputs"
+    assert final["tabs"] >= page.tabs, f"{final['tabs']} per-rank output tabs rendered, expected {page.tabs}"
+    assert final["images"] >= page.figures, f"{final['images']} matplotlib figures on the page, expected {page.figures}"
+    blank = [round(i, 4) for i in final["ink"] if i < DRAWN_INK]
+    assert not blank, f"figures on the page drawn blank or in part (share of dark ink {blank}; whole: about 0.02)"
     pngs = sum("image/png" in o.get("data", {}) for c in nb["cells"] for o in c.get("outputs", []))
-    assert pngs >= 1, "the saved notebook holds no PNG figure"
+    assert pngs >= page.figures, f"the saved notebook holds {pngs} PNG figures, expected {page.figures}"
+    if page.explore:
+        assert after_run["runButtons"] == 1, "the explorer's Run button is not on the page"
+        assert all(t in explored for t in page.explored)

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, measured_idle_fraction, orders_from_ir,
-                                      orders_from_log, replay)
+from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, ir_report, measured_idle_fraction,
+                                      orders_from_ir, orders_from_log, peaks_table, replay, step_seconds,
+                                      summarize_runs)
 
 
 def gpipe(p: int, m: int) -> dict:
@@ -78,3 +79,39 @@ def test_orders_from_the_schedules_ir_keep_forwards_and_backwards():
     assert orders_from_ir(ir) == {0: [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)],
                                   1: [(1, "F", 0), (1, "B", 0), (1, "F", 1), (1, "B", 1)]}
     assert replay(orders_from_ir(ir))["idle_fraction"] == bubble_formula(2, 2)
+
+
+def test_summarized_runs_count_measure_and_keep_the_ir():
+    # 1F1B, p = 2, m = 2, every action one second: rank 1 waits 1 s at the start, rank 0 1 s between B0 and B1
+    step = {0: [(0, "F", 0, 0, 1), (0, "F", 1, 1, 2), (0, "B", 0, 3, 4), (0, "B", 1, 5, 6)],
+            1: [(1, "F", 0, 1, 2), (1, "B", 0, 2, 3), (1, "F", 1, 3, 4), (1, "B", 1, 4, 5)]}
+    slower = {r: [(s, k, mb, 2 * t0, 2 * t1) for s, k, mb, t0, t1 in log] for r, log in step.items()}
+    ir = {r: [f"{s}{k}{mb}" for s, k, mb, *_ in log] + ["None"] for r, log in step.items()}
+    results = [{"rank": r, "runs": [{"schedule": "1f1b", "m": 2, "stages": [r], "logs": [step[r], slower[r], step[r]],
+                                     "peak_saved": 100 * (r + 1), "ir": ir}]} for r in (0, 1)]
+    (row,) = summarize_runs(results)
+    assert (row["p"], row["v"], row["m"]) == (2, 1, 2) and row["orders"] == one_f_one_b(2, 2) == row["ir"]
+    assert row["counted"] == row["formula"] == 1 / 3
+    assert row["measured"] == measured_idle_fraction(step) == 1 - 8 / 12  # equal costs: measured idle = counted
+    assert row["step_s"] == step_seconds(step) == 6  # the median of 6, 12, 6 seconds
+    assert row["peak_saved"] == {0: 100, 1: 200}
+    assert [label for *_, label in row["events"][0]] == ["F0", "F1", "B0", "B1"]
+    assert "matches the executed order; it replays to 0.3333" in ir_report(row)
+
+
+def test_ir_report_shows_where_the_ir_differs():
+    orders = one_f_one_b(2, 2)
+    row = {"schedule": "1f1b", "orders": orders, "ir": {0: orders[0], 1: [(1, "F", 1), (1, "B", 0)]}}
+    report = ir_report(row)
+    assert "differs on ranks [1]" in report and "cannot be replayed" in report
+    assert "rank 1 IR:       F1 B0" in report and "rank 1 executed: F0 B0 F1 B1" in report
+
+
+def test_peaks_table_one_line_per_m_with_a_dash_where_a_schedule_did_not_run():
+    rows = [{"schedule": "gpipe", "m": 1, "peak_saved": {0: 1000, 1: 2000}},
+            {"schedule": "gpipe", "m": 2, "peak_saved": {0: 2000, 1: 4000}},
+            {"schedule": "1f1b", "m": 2, "peak_saved": {0: 2000, 1: 2000}}]
+    lines = peaks_table(rows, ("gpipe", "1f1b")).splitlines()
+    assert lines[1].split() == ["m", "gpipe", "s=0", "1f1b", "s=0", "gpipe", "s=1", "1f1b", "s=1"]
+    assert lines[2].split() == ["1", "1,000", "-", "2,000", "-"]
+    assert lines[3].split() == ["2", "2,000", "2,000", "4,000", "2,000"]

@@ -37,3 +37,27 @@ def test_step_times_bubble_and_timeline():
     assert len(fig.axes[0].lines) == 3 and list(fig.axes[0].lines[1].get_xdata()) == [1, 2, 4]
     fig = parallel_plots.timeline({0: [(0.0, 1.0, "F0"), (1.0, 3.0, "B0")], 1: [(1.0, 2.0, "F0")]})
     assert len(fig.axes[0].patches) == 3
+
+
+def test_bubble_step_draws_the_step_and_the_formula_beside_the_sweep():
+    row = {"schedule": "gpipe", "m": 2, "p": 2, "v": 1, "counted": 1 / 3, "formula": 1 / 3, "measured": 0.5,
+           "events": {0: [(0.0, 1.0, "F0"), (1.0, 2.0, "F1")], 1: [(1.0, 2.0, "F0")]}}
+    sweep = [{"schedule": "gpipe", "m": m, "measured": 0.6} for m in (1, 2, 4)] + \
+        [{"schedule": "1f1b", "m": 2, "measured": 0.4}]
+    fig = parallel_plots.bubble_step(row, sweep)
+    left, right = fig.axes
+    assert len(left.patches) == 3
+    curve, crosses, counted, star = right.lines
+    assert abs(curve.get_ydata()[0] - 0.5) < 1e-12  # (p - 1)/(m + p - 1) at m = 1
+    assert list(crosses.get_xdata()) == [1, 2, 4] and list(star.get_ydata()) == [0.5]
+
+
+def test_show_closes_the_figure_it_displays(capsys):
+    import matplotlib.pyplot as plt
+
+    from helpers.plots import new_figure, show
+
+    fig, _ = new_figure()
+    show(fig)
+    assert fig.number not in plt.get_fignums()  # nothing left open for a later flush to draw again
+    assert "Figure" in capsys.readouterr().out  # displayed (outside IPython: its text form)

@@ -17,6 +17,7 @@ released) and keeps the peak: the activation memory that distinguishes GPipe (al
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 
 import torch
@@ -107,12 +108,72 @@ def orders_from_ir(pipeline_order: dict[int, list]) -> dict[int, list[Action]]:
     return orders
 
 
+def step_seconds(logs: dict[int, list[tuple]]) -> float:
+    """Wall time of one recorded step: first action's start to last action's end, over every rank."""
+    events = [e for log in logs.values() for e in log]
+    return max(e[4] for e in events) - min(e[3] for e in events)
+
+
 def measured_idle_fraction(logs: dict[int, list[tuple]]) -> float:
     """1 - (time the ranks spent in forward/backward) / (ranks x the step's wall time, first start to last end)."""
-    events = [e for log in logs.values() for e in log]
-    wall = max(e[4] for e in events) - min(e[3] for e in events)
-    busy = sum(e[4] - e[3] for e in events)
-    return 1.0 - busy / (len(logs) * wall)
+    busy = sum(e[4] - e[3] for log in logs.values() for e in log)
+    return 1.0 - busy / (len(logs) * step_seconds(logs))
+
+
+def summarize_runs(results: list[dict]) -> list[dict]:
+    """Per-rank results of a bubble sweep -> one row per (schedule, m), what the notebook prints, plots and asserts.
+
+    results: one dict per rank, {'rank', 'runs': [{'schedule', 'm', 'stages' (this rank's stage indices), 'logs'
+    (one `record_actions` log per measured step), 'peak_saved' (bytes), 'ir' ({rank: [str(action)]})}]}, the runs
+    in the same order on every rank. Each row: schedule, m, p (ranks), v (stages per rank); 'orders' executed in
+    the last step; 'counted' (its replayed idle fraction) beside 'formula'; 'measured' idle fraction and 'step_s'
+    (medians over the steps); 'events' {rank: [(start_s, end_s, 'F0')]} of the last step; 'peak_saved' {rank:
+    bytes}; 'ir' (the schedule's own order, parsed)."""
+    rows = []
+    for i, run in enumerate(results[0]["runs"]):
+        p, v, m = len(results), len(run["stages"]), run["m"]
+        steps = [{r["rank"]: r["runs"][i]["logs"][k] for r in results} for k in range(len(run["logs"]))]
+        orders = orders_from_log(steps[-1])
+        rows.append({
+            "schedule": run["schedule"], "m": m, "p": p, "v": v, "orders": orders,
+            "counted": replay(orders)["idle_fraction"], "formula": bubble_formula(p * v, m, v),
+            "measured": statistics.median(measured_idle_fraction(s) for s in steps),
+            "step_s": statistics.median(step_seconds(s) for s in steps),
+            "events": {rank: [(e[3], e[4], f"{e[1]}{e[2]}") for e in sorted(log, key=lambda e: e[3])]
+                       for rank, log in steps[-1].items()},
+            "peak_saved": {r["rank"]: r["runs"][i]["peak_saved"] for r in results},
+            "ir": orders_from_ir(run["ir"]),
+        })
+    return rows
+
+
+def ir_report(row: dict) -> str:
+    """Whether a schedule's own IR (`pipeline_order`) is the order it executed, what the IR replays to, and where
+    they differ, as lines to print."""
+    try:
+        replayed = f"replays to {replay(row['ir'])['idle_fraction']:.4f}"
+    except ValueError as exc:
+        replayed = f"cannot be replayed ({exc})"
+    differ = [r for r in row["orders"] if row["ir"].get(r) != row["orders"][r]]
+    lines = [f"{row['schedule']:<12} IR {'differs on ranks ' + str(differ) if differ else 'matches the executed order'}"
+             f"; it {replayed}"]
+    for r in differ:
+        lines += [f"  rank {r} IR:       " + " ".join(f"{k}{mb}" for _, k, mb in row["ir"].get(r, [])),
+                  f"  rank {r} executed: " + " ".join(f"{k}{mb}" for _, k, mb in row["orders"][r])]
+    return "\n".join(lines)
+
+
+def peaks_table(rows: list[dict], schedules: tuple[str, ...]) -> str:
+    """Peak bytes saved for backward per stage (rank s) and schedule, one line per m, '-' where a schedule did
+    not run at that m. rows: `summarize_runs` rows."""
+    peak = {(row["schedule"], row["m"], s): b for row in rows for s, b in row["peak_saved"].items()}
+    ranks = sorted({s for _, _, s in peak})
+    lines = ["peak bytes saved for backward, per rank (= stage s)",
+             f"{'m':>3} " + " ".join(f"{f'{name} s={s}':>14}" for s in ranks for name in schedules)]
+    for m in sorted({m for _, m, _ in peak}):
+        lines.append(f"{m:>3} " + " ".join(f"{format(peak[(n, m, s)], ',') if (n, m, s) in peak else '-':>14}"
+                                           for s in ranks for n in schedules))
+    return "\n".join(lines)
 
 
 class _Saved:

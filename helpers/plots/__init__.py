@@ -15,3 +15,18 @@ def new_figure(ncols: int = 1, width: float = 6.0, height: float = 3.6):
     for ax in axes[0]:
         ax.grid(True, alpha=0.3)
     return fig, list(axes[0])
+
+
+def show(fig) -> None:
+    """Display `fig` in the output now, closing it first.
+
+    Why: a figure left open in pyplot is drawn by whatever next flushes pyplot's open figures. Pressing an
+    explorer's Run button in JupyterLab (a widget's comm message, not a cell's execution) gave blank or half-drawn
+    images that way, whether the function called `plt.show()` or left the figure to ipywidgets, while the same
+    figure closed and then displayed came out whole. Closed, it is also not shown a second time at the cell's end.
+    """
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    plt.close(fig)
+    display(fig)

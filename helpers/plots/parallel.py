@@ -109,9 +109,7 @@ def bubble(rows: list[dict]):
     return fig
 
 
-def timeline(events: dict[int, list[tuple]], title: str = ""):
-    """Each rank's actions over time as bars: events {rank: [(start_s, end_s, label)]}; forward light, backward dark."""
-    fig, (ax,) = new_figure(width=7.0, height=0.5 + 0.5 * len(events))
+def _draw_timeline(ax, events: dict[int, list[tuple]], title: str) -> None:
     t0 = min(e[0] for evs in events.values() for e in evs)
     for rank, evs in events.items():
         for start, end, label in evs:
@@ -123,4 +121,43 @@ def timeline(events: dict[int, list[tuple]], title: str = ""):
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the step began")
     ax.set_title(title, fontsize=10)
+
+
+def timeline(events: dict[int, list[tuple]], title: str = ""):
+    """Each rank's actions over time as bars: events {rank: [(start_s, end_s, label)]}; forward light, backward dark."""
+    fig, (ax,) = new_figure(width=7.0, height=0.5 + 0.5 * len(events))
+    _draw_timeline(ax, events, title)
+    return fig
+
+
+def bubble_step(row: dict, sweep: list[dict] = ()):
+    """One explored pipeline step: what each rank did (measured) beside the bubble of its schedule, the formula
+    (p - 1)/(v·m + p - 1) as a curve over m, the sweep's measured idle fractions for that schedule as crosses, and
+    this step's measured idle fraction as a star (its counted one as a circle on the curve).
+
+    row: {'schedule', 'm', 'p', 'v', 'events' {rank: [(start_s, end_s, label)]}, 'counted', 'formula', 'measured'};
+    sweep: rows with 'schedule', 'm', 'measured'.
+    """
+    import numpy as np
+
+    fig, (left, right) = new_figure(ncols=2, width=4.8, height=0.9 + 0.5 * len(row["events"]) + 1.0)
+    _draw_timeline(left, row["events"], f"{row['schedule']}, m = {row['m']}: what each rank did (measured)")
+    p, v = row["p"], row["v"]
+    mine = sorted((r["m"], r["measured"]) for r in sweep if r["schedule"] == row["schedule"])
+    top = max([32, row["m"]] + [m for m, _ in mine])
+    ms = np.geomspace(1, top, 200)
+    right.plot(ms, (p - 1) / (v * ms + p - 1), color=_RANK_COLORS[0], lw=1, ls="--",
+               label=f"(p - 1)/(v·m + p - 1), p = {p}, v = {v}")
+    if mine:
+        right.plot(*zip(*mine), "x", color=_RANK_COLORS[1], label="measured in the sweep")
+    right.plot([row["m"]], [row["counted"]], "o", mfc="none", color=_RANK_COLORS[0], label="counted (this step)")
+    right.plot([row["m"]], [row["measured"]], "*", ms=12, color=_RANK_COLORS[3], label="measured (this step)")
+    right.set_xscale("log", base=2)
+    ticks = [2 ** k for k in range(int(np.log2(top)) + 1)]
+    right.set_xticks(ticks, [str(t) for t in ticks])
+    right.set_ylim(0, 1)
+    right.set_xlabel("micro-batches m")
+    right.set_ylabel("idle fraction of the step")
+    right.set_title(f"{row['schedule']}: the bubble", fontsize=10)
+    right.legend(fontsize=7)
     return fig
