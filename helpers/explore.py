@@ -50,6 +50,7 @@ def explore(fn, /, **controls):
             raise ValueError(f"the control for {name!r} ({control!r}) cannot show {fn.__name__}()'s default "
                              f"{parameter.default!r} (it would show {shown}): include the default among its values")
         widget.description = name
+        widget.style.description_width = "initial"  # the whole parameter name, not cut to fit a fixed width
         widgets[name] = widget
     for name, parameter in parameters.items():  # left as they are, not turned into widgets by ipywidgets
         if name not in widgets and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) \
