@@ -92,3 +92,16 @@ def test_a_held_agent_runs_torchrun_once_released(tmp_path):
     assert "rank 0 of 1" in agent.output
     assert [(r["group_rank"], r["group_world_size"], r["restart_count"]) for r in agent.rendezvous()] == [(0, 1, 0)]
     assert agent.command[0].endswith("torchrun"), "the command shown is the torchrun line"
+
+
+def test_a_held_agent_whose_kernel_is_gone_starts_nothing(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('worker started', flush=True)\n")
+    agent = agents.start_agent("orphan", script, log_dir=tmp_path, nnodes="1", nproc=1,
+                               endpoint=f"127.0.0.1:{free_port()}", held=True)
+    try:
+        agent.proc.stdin.close()  # what the kernel's death does to the pipe
+        codes = agents.wait_all([agent], WAIT)
+    finally:
+        agents.stop_all([agent])
+    assert codes != [0] and "worker started" not in agent.output and "stdin closed" in agent.output

@@ -66,8 +66,10 @@ class Agent:
         (`start_new_session=True` in torch's SubprocessHandler), so a SIGKILL to the agent's session alone leaves
         its workers running, orphaned. They go on training with the other agents' workers and finish the job, and
         the surviving agents then wait in torchrun's exit barrier for the dead agent: 300 s, not a torchrun flag.
-        So the agent's process tree is taken first (while the agent still lives to be its root), then signalled.
+        So the agent is frozen (SIGSTOP: it cannot start a worker meanwhile), its process tree taken while it still
+        roots it, and then the agent and the whole tree are signalled.
         """
+        signal_session(self.proc.pid, signal.SIGSTOP)
         tree = descendants(self.proc.pid)
         signal_session(self.proc.pid, sig)
         for process in tree:
@@ -75,6 +77,7 @@ class Agent:
                 process.send_signal(sig)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        signal_session(self.proc.pid, signal.SIGCONT)  # a frozen agent would not act on SIGTERM
         self.proc.wait()
         try:
             import psutil
@@ -111,8 +114,12 @@ def start_agent(name: str, script, *script_args, log_dir, nnodes: str = "2", npr
     return Agent(name, command, proc, log, held=held)
 
 
-# torchrun's console script is `torch.distributed.run:main`; a held agent calls it itself once released.
-_HELD_TORCHRUN = "import sys, torch.distributed.run as run\nsys.stdin.readline()\nrun.main(sys.argv[1:])\n"
+# torchrun's console script is `torch.distributed.run:main`; a held agent calls it itself once released. Its stdin
+# closed without a release (the kernel died) ends it instead.
+_HELD_TORCHRUN = ("import sys, torch.distributed.run as run\n"
+                  "if sys.stdin.readline().strip() != 'go':\n"
+                  "    sys.exit('held agent: stdin closed before its release')\n"
+                  "run.main(sys.argv[1:])\n")
 
 _LOG_LINE = re.compile(r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d+) \d+ \S+\] (.*)$")
 
@@ -163,6 +170,9 @@ def stop_all(agents: list[Agent], grace: float = 5.0) -> None:
             return False
 
     stop_sessions([a.proc.pid for a in agents], gone, grace=grace)
+    for agent in agents:
+        if agent.proc.stdin is not None and not agent.proc.stdin.closed:  # a held agent never released
+            agent.proc.stdin.close()
 
 
 def wait_all(agents: list[Agent], timeout: float) -> list[int]:
