@@ -21,7 +21,7 @@ from helpers.paths import REPO_ROOT
 SCRIPT = REPO_ROOT / "scripts" / "cluster_ddp.py"
 STEPS, SAVE_EVERY = 30, 4
 WAIT = 240  # seconds any one wait may take: generous, since the tests run with both cores busy
-CONF = "--rdzv-conf=join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+CONF = "--rdzv-conf=join_timeout=60,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
 ENV = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO",
        "CUDA_VISIBLE_DEVICES": ""}
 
@@ -49,7 +49,8 @@ def test_a_node_joins_late_and_one_is_lost(tmp_path):
 
     runs = elastic_log.stretches(tmp_path / "run")
     assert [(r["world"], r["restart_count"]) for r in runs] == [(1, 0), (2, 0), (1, 1)], runs
-    assert [(r["group_world_size"], r["restart_count"]) for r in node_a.rendezvous()] == [(1, 0), (2, 0), (1, 1)]
+    rounds = [(r["group_world_size"], r["restart_count"]) for r in node_a.rendezvous()]
+    assert [r for i, r in enumerate(rounds) if rounds[i - 1:i] != [r]] == [(1, 0), (2, 0), (1, 1)], rounds
     for run in runs:  # each start resumes right after the last committed checkpoint and trains every step on
         assert sorted(run["losses"]) == list(range(run["last_saved_before"] + 1, max(run["losses"]) + 1)), runs
         assert run["last_saved_before"] % SAVE_EVERY == 0
