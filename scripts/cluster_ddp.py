@@ -65,13 +65,14 @@ def train(ckpt_dir, log_path, device, steps=40, batch=64, features=16, hidden=64
         optimizer.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        if rank == 0:
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": mean.item() / world, "world": world,
-                                    "attempt": attempt, "time": time.time()}) + "\n")
-        if step % save_every == 0 or step == steps:
+        saved = step % save_every == 0 or step == steps
+        if saved:  # complete once dcp.save returns: its .metadata is written last
             model_sd, optim_sd = get_state_dict(model, optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_dir, f"step_{step}"))
+        if rank == 0:  # logged after the save: a line with "saved" true names a complete checkpoint
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": mean.item() / world, "world": world, "saved": saved,
+                                    "attempt": attempt, "time": time.time()}) + "\n")
         time.sleep(step_sleep)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     return {"start": start, "loss": mean.item() / world, "world": world, "checksum": flat.double().sum().item(),
@@ -99,7 +100,9 @@ def main():
         rank = dist.get_rank()
         seen = {name: os.environ.get(name) for name in ENV_NAMES}
         attempt = seen["TORCHELASTIC_RESTART_COUNT"] or "0"
-        (out / "env" / f"attempt{attempt}_rank{rank}.json").write_text(json.dumps({**seen, "pid": os.getpid()}))
+        # one file per worker start (an elastic job starts a rank several times with the same restart count)
+        (out / "env" / f"attempt{attempt}_rank{rank}_pid{os.getpid()}.json").write_text(
+            json.dumps({**seen, "pid": os.getpid(), "time": time.time()}))
         result = train(str(out / "ckpt"), str(out / "losses.jsonl"), device, steps=args.steps, batch=args.batch,
                        hidden=args.hidden, save_every=args.save_every, step_sleep=args.step_sleep,
                        crash_at=args.crash_at, crash_rank=args.crash_rank)

@@ -36,3 +36,24 @@ def overlap_timeline(measured: list[dict], title: str):
     fig.tight_layout()
     plt.show()
     return fig
+
+
+def elastic_trajectory(stretches: list[dict], title: str):
+    """An elastic run's loss per step, one colour per generation of workers (from elastic_log.stretches), with a
+    dashed line at the checkpoint each restart resumed from: the steps right of it, left of the previous
+    generation's last step, were trained twice."""
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    for i, stretch in enumerate(stretches):
+        steps = sorted(stretch["losses"])
+        label = f"start {i + 1}: world {stretch['world']}, restart count {stretch['restart_count']}"
+        line, = ax.plot(steps, [stretch["losses"][s] for s in steps], "o-", ms=3, lw=1, label=label)
+        if i > 0:
+            ax.axvline(stretch["last_saved_before"], color=line.get_color(), ls="--", lw=1)
+            ax.annotate(f"world {stretches[i - 1]['world']}->{stretch['world']}: from step "
+                        f"{stretch['last_saved_before']}", (stretch["last_saved_before"], 0.02),
+                        xycoords=("data", "axes fraction"), rotation=90, va="bottom", ha="right", fontsize=7)
+    ax.set(xlabel="global step", ylabel="loss (mean over the global batch)", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+    return fig
