@@ -20,24 +20,6 @@ def restart_trajectory(reference: dict, attempts: dict, crash_at: int, title: st
     return fig
 
 
-def overlap_timeline(measured: list[dict], title: str):
-    """Per rank, computation and communication spans on one time axis (from trace_overlap.overlap)."""
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.9 * len(measured)))
-    for rank, m in enumerate(measured):
-        t0 = min(a for a, _ in m["compute_intervals"] + m["comm_intervals"])
-        for row, (key, color) in enumerate((("compute_intervals", "tab:blue"), ("comm_intervals", "tab:orange"))):
-            spans = [((a - t0) / 1e3, (b - a) / 1e3) for a, b in m[key]]
-            ax.broken_barh(spans, (rank * 2 + row - 0.4, 0.8), color=color,
-                           label=("computation" if row == 0 else "communication") if rank == 0 else None)
-    ax.set_yticks([r * 2 + k for r in range(len(measured)) for k in (0, 1)],
-                  [f"rank {r} {k}" for r in range(len(measured)) for k in ("compute", "comm")])
-    ax.set(xlabel="ms since the rank's first event", title=title)
-    ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    plt.show()
-    return fig
-
-
 def elastic_trajectory(stretches: list[dict], title: str):
     """An elastic run's loss per step, one colour per generation of workers (from elastic_log.stretches), with a
     dashed line at the checkpoint each restart resumed from: the steps right of it, left of the previous
