@@ -26,14 +26,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 
 def rpc_options(rpc_timeout=60, threads=16):
-    """TensorPipe options for every worker here.
-
-    With more processes than cores TensorPipe keeps to its TCP transport ('uv', over loopback, through the
-    private `_transports` option): its shared-memory transport busy-polls, and spinning processes would take the
-    cores the trainers compute on. Also quiets two messages about RPC's internals: init_rpc builds a gloo group
-    in a way torch flags as deprecated, and a failed graceful shutdown (section 6) is logged with a traceback
-    that our code reports anyway.
-    """
+    """TensorPipe options. With more processes than cores, TCP only ('uv' over loopback, the private `_transports`
+    option): the shared-memory transport busy-polls and would take the cores the trainers compute on. Quiets the
+    deprecation warning about init_rpc's internal gloo group, and the traceback a failed graceful shutdown logs
+    (section 6 reports that failure itself)."""
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
     logging.getLogger("torch.distributed.rpc.api").setLevel(logging.CRITICAL)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -43,12 +39,9 @@ def rpc_options(rpc_timeout=60, threads=16):
 
 
 def serve_by_name(*objects):
-    """Make functions and classes findable where RPC looks them up: `__main__`, by name.
-
-    RPC pickles a function or class as (module, qualified name) and the receiver imports it. In a script run by
-    torchrun they are attributes of `__main__` in every process already, and this does nothing. A function sent
-    to a worker by value (a notebook cell) has no such home until this gives it one.
-    """
+    """Make functions and classes findable where RPC looks them up: by name, in `__main__`. Under torchrun they
+    are there already and this does nothing; a function sent to a worker by value (a notebook cell) has no such
+    home until this gives it one."""
     main = sys.modules["__main__"]
     for obj in objects:
         if getattr(main, obj.__name__, None) is not obj:

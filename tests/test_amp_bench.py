@@ -130,3 +130,43 @@ def test_time_precisions_trains_every_mode_from_the_same_start():
     assert len(out["times"]["bf16"]) == 3 and out["ratios"]["fp32"] == [1.0] * 3
     assert set(out["flops_square"]) == set(modes) and out["hardware"]["gpu"] is False
     assert amp_bench.cudnn_benchmark_effect([8]) is None  # no cuDNN on a CPU
+
+
+def test_autocast_tables_on_the_cpu():
+    tables = amp_bench.autocast_tables("cpu")
+    assert set(tables) == {"cpu bf16", "cpu fp16"}
+    assert tables["cpu bf16"]["linear (matmul)"] == "bfloat16" and tables["cpu fp16"]["linear (matmul)"] == "float16"
+    assert all(t["parameter"] == t["gradient"] == "float32" for t in tables.values())
+
+
+def test_grad_scaler_at_work_follows_the_closed_form():
+    def make_model():
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def get_batch(g):
+        x = torch.randn(16, 8, generator=g)
+        return x, x[:, :4].argmax(dim=1)
+
+    def loss_of(model, x, y, dtype):
+        with torch.autocast("cpu", dtype=dtype):
+            return torch.nn.functional.cross_entropy(model(x).float(), y)
+
+    grads, log = amp_bench.grad_scaler_at_work(make_model, get_batch, loss_of, steps=12, init_scale=2.0 ** 60,
+                                               growth_interval=3)
+    assert bool((grads["fp16, no scaler"] == 0).all()) and bool((grads["fp32"] != 0).any())
+    overflows = [r["overflow"] for r in log]
+    assert overflows[0], "2^60 overflows fp16 at once"
+    assert [r["scale"] for r in log] == amp_bench.scale_trajectory(2.0 ** 60, overflows, growth_interval=3)
+    assert all(r["updated"] == (not r["overflow"]) for r in log)
+
+
+def test_bench_summary_takes_medians_of_side_by_side_ratios(capsys):
+    bench = {"ratios": {"fp32": [1.0, 1.0, 1.0], "bf16": [2.0, 3.0, 10.0]},
+             "times": {"fp32": [0.3, 0.2, 0.1], "bf16": [0.1, 0.05, 0.02]},
+             "first_step_s": {"fp32": 1.0, "bf16": 1.0},
+             "flops_square": {"fp32": 1e12, "bf16": 4e12},
+             "losses": {"fp32": [3.0, 2.0, 1.0, 1.0, 1.0], "bf16": [3.0, 2.0, 1.0, 1.5, 2.0]}}
+    speedup, ceiling, final = amp_bench.bench_summary(bench, ["fp32", "bf16"])
+    assert speedup["bf16"]["median"] == 3.0 and speedup["bf16"]["low"] <= 3.0 <= speedup["bf16"]["high"]
+    assert ceiling == {"fp32": 1.0, "bf16": 4.0} and final == {"fp32": 1.0, "bf16": 1.5}
+    assert "bf16" in capsys.readouterr().out

@@ -343,3 +343,209 @@ def cudnn_benchmark_effect(shapes: list[int], repeats: int = 20, channels: int =
     finally:
         torch.backends.cudnn.benchmark = old
     return out
+
+
+def bench_summary(bench: dict, modes: list[str]) -> tuple[dict, dict, dict]:
+    """From `time_precisions`'s result: (speed-up, ceiling, final loss) per mode. The speed-up over the first
+    mode is `ratio_with_noise` of the per-step ratios; the matmul ceiling is its base format's (a mode
+    'bf16 + compile' has bf16's); the final loss is the mean of the last 3 steps. Printed as one table, with
+    the median step time, the range of the middle 80% of steps, and the first step (compilation included)."""
+    speedup = {m: ratio_with_noise(bench["ratios"][m]) for m in modes}
+    ceiling = {m: bench["flops_square"][m] / bench["flops_square"]["fp32"] for m in bench["flops_square"]}
+    final = {m: sum(bench["losses"][m][-3:]) / 3 for m in modes}
+    print(f"{'mode':<20}{'step ms':>9}{'p10-p90 ms':>16}{'first ms':>10}{'speed-up':>10}{'90% interval':>15}"
+          f"{'matmul ceiling':>16}{'TFLOP/s':>9}{'final loss':>11}")
+    for m in modes:
+        base, times = m.split(" + ")[0], sorted(bench["times"][m])
+        p10, p90 = times[int(0.1 * (len(times) - 1))], times[int(0.9 * (len(times) - 1))]
+        print(f"{m:<20}{statistics.median(times) * 1e3:>9.2f}{p10 * 1e3:>9.2f}-{p90 * 1e3:<6.2f}"
+              f"{bench['first_step_s'][m] * 1e3:>10.1f}{speedup[m]['median']:>10.2f}{speedup[m]['low']:>8.2f}-"
+              f"{speedup[m]['high']:<6.2f}{ceiling[base]:>16.2f}{bench['flops_square'][base] / 1e12:>9.2f}"
+              f"{final[m]:>11.4f}")
+    return speedup, ceiling, final
+
+
+def print_cudnn_effect(cudnn: dict) -> None:
+    """`cudnn_benchmark_effect`'s result as three lines: first steps per new shape and the steady step, per
+    setting, then the steady gain and the cost of the searches."""
+    for bench_on in (False, True):
+        r = cudnn[bench_on]
+        print(f"cudnn.benchmark={bench_on!s:<5}: first step at each new shape "
+              f"{[round(t * 1e3, 1) for t in r['first_s']]} ms; steady step {r['steady_median_s'] * 1e3:.2f} ms")
+    gain = cudnn[False]["steady_median_s"] / cudnn[True]["steady_median_s"]
+    print(f"fixed shape: benchmark=True runs {gain:.2f}x as fast once tuned; new shapes cost "
+          f"{sum(cudnn[True]['first_s']) / sum(cudnn[False]['first_s']):.2f}x the time of untuned first steps")
+
+
+# ---- Probes whose results notebook 05 shows as tables: what autocast produced, GradScaler at work. ----
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_dtypes(device_type: str, dtype: torch.dtype) -> dict[str, str]:
+    """Which dtype each kind of op produces under autocast on `device_type`; parameters and gradients stay fp32.
+
+    The op lists differ by device and by torch version, so the table is measured, not copied from the docs.
+    Call it for 'cuda' only in a worker (the kernel never touches CUDA).
+    """
+    from torch import nn
+
+    torch.manual_seed(0)
+    linear, norm = nn.Linear(64, 64).to(device_type), nn.LayerNorm(64).to(device_type)
+    x, target = torch.randn(8, 64, device=device_type), torch.randint(0, 64, (8,), device=device_type)
+    with torch.autocast(device_type, dtype=dtype):
+        h = linear(x)
+        seen = {"linear (matmul)": h.dtype, "layer_norm": norm(h).dtype, "softmax": torch.softmax(h, -1).dtype,
+                "gelu": nn.functional.gelu(h).dtype, "add (h + x)": (h + x).dtype,
+                "cross_entropy(h)": nn.functional.cross_entropy(h, target).dtype}
+        loss = nn.functional.cross_entropy(h.float(), target)
+    loss.backward()
+    seen["parameter"], seen["gradient"] = linear.weight.dtype, linear.weight.grad.dtype
+    return {k: str(v).replace("torch.", "") for k, v in seen.items()}
+
+
+def autocast_tables(device_type: str = "cpu") -> dict[str, dict[str, str]]:
+    """`autocast_dtypes` for bf16 and fp16 on `device_type`, keyed 'cpu bf16', 'cpu fp16', ..."""
+    return {f"{device_type} {name}": autocast_dtypes(device_type, dtype) for name, dtype in LOW_PRECISION.items()}
+
+
+def print_tables(tables: dict[str, dict[str, str]]) -> None:
+    """Tables keyed alike (op -> value) side by side, one column per table."""
+    first = next(iter(tables.values()))
+    width = max(len(k) for k in first) + 2
+    print(f"{'':<{width}}" + "".join(f"{c:>11}" for c in tables))
+    for key in first:
+        print(f"{key:<{width}}" + "".join(f"{t[key]:>11}" for t in tables.values()))
+
+
+def print_formats() -> None:
+    """fp32, bf16, fp16 as torch.finfo describes them (and TF32, which has no dtype): exponent and mantissa bits,
+    machine epsilon, largest value, smallest normal and subnormal."""
+    print(f"{'format':<7}{'exp':>4}{'mant':>5}{'eps':>11}{'largest':>11}{'min normal':>12}{'min subnormal':>15}")
+    for name, dt in {"fp32": torch.float32, **LOW_PRECISION}.items():
+        fi = torch.finfo(dt)
+        print(f"{name:<7}{EXPONENT_BITS[name]:>4}{MANTISSA_BITS[name]:>5}{fi.eps:>11.3g}{fi.max:>11.3g}"
+              f"{fi.smallest_normal:>12.3g}{fi.smallest_normal * fi.eps:>15.3g}")
+    print(f"{'tf32':<7}{8:>4}{10:>5}{2.0 ** -10:>11.3g}   (fp32's range; only inside tensor-core matmuls)")
+
+
+def grad_scaler_at_work(make_model, get_batch, loss_of, steps: int, init_scale: float, growth_interval: int) -> tuple:
+    """GradScaler observed from outside, in a worker (CUDA where there is a GPU): two records.
+
+    (a) One linear layer under fp16 autocast with a tiny loss (2^-30): its weight gradient in fp32, in fp16 with
+    no scaler (it underflows), and with a GradScaler (scaled, then unscaled). (b) `make_model()` trained under
+    fp16 with a scale that starts at `init_scale`: per step the scale used, whether a gradient overflowed, whether
+    the weights changed, the loss. `loss_of(model, x, y, dtype)` and `get_batch(g)` are the notebook's own.
+    """
+    from torch import nn
+
+    device = precision_device()
+    torch.manual_seed(0)
+    layer, x = nn.Linear(64, 64).to(device), torch.randn(16, 64, device=device)
+    grads = {}
+    for how in ("fp32", "fp16, no scaler", "fp16, GradScaler"):
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.float16, enabled=how != "fp32"):
+            loss = layer(x).float().sum() * 2.0 ** -30
+        if how == "fp16, GradScaler":
+            scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 16)
+            scaler.scale(loss).backward()
+            scaler.unscale_(torch.optim.SGD(layer.parameters(), lr=0.0))  # divides the gradients by the scale
+        else:
+            loss.backward()
+        grads[how] = layer.weight.grad.cpu()
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
+    g, log = torch.Generator().manual_seed(0), []
+    for step in range(steps):
+        x, y = (t.to(device) for t in get_batch(g))
+        loss = loss_of(model, x, y, torch.float16)
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)  # true size now (fp32): inspect or clip here
+        overflow = not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        updated = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        log.append({"step": step, "scale": scale, "overflow": overflow, "updated": updated, "loss": loss.item()})
+    return grads, log
+
+
+def amp_and_sharding(make_model, get_batch, loss_of, allreduce_in, shard, policies: dict, steps: int,
+                     record=contextlib.nullcontext, peak=contextlib.nullcontext) -> dict:
+    """Runs in every rank: DDP with bf16 autocast, its gradients all-reduced by the notebook's hook in fp32 then
+    in bf16; then FSDP2 under each of `policies` ({name: (MixedPrecisionPolicy, checkpoint blocks?)}). Every
+    variant starts from the same weights (seed 0) and sees the same batches (each rank its own).
+
+    The notebook's plain pieces do the work: `make_model()` (a GPT with `.blocks` and `.head`), `get_batch(g)`,
+    `loss_of(model, x, y, dtype)`, `allreduce_in(wire)` -> a DDP comm hook whose state is a list it appends
+    (dtype, bytes) to, and `shard(model, mesh, policy, checkpoint)`. The last step of each variant runs inside
+    `record()` (a collective log with `.summary()`) and, for FSDP2, `peak()` (with `.peak` bytes). Returns per
+    variant: losses, the loss's dtype, the collectives ('hook' for DDP), the peak; for FSDP2 also the dtype the
+    first block computes in and the dtype the weights are kept in. A rank uses its GPU where every local rank has
+    one (NCCL), else the CPU with gloo.
+    """
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    use_gpu = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_gpu else "gloo", device_id=device if use_gpu else None)
+    try:
+        return _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak,
+                             device, init_device_mesh(device.type, (dist.get_world_size(),)), DDP)
+    finally:
+        import gc
+
+        gc.collect()  # models, optimizers and their pending work are freed before the group goes
+        dist.destroy_process_group()
+
+
+def _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak, device,
+                  mesh, DDP) -> dict:
+    """The variants of `amp_and_sharding`, inside a function so that every model is freed when it returns."""
+    import torch.distributed as dist
+
+    out = {}
+
+    def run(name, model, dtype=torch.float32, log_peak=False):
+        opt, g = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.Generator().manual_seed(dist.get_rank())
+        losses, comm, live = [], None, None
+        for step in range(steps):
+            x, y = (t.to(device) for t in get_batch(g))
+            last = step == steps - 1
+            with (record() if last else contextlib.nullcontext()) as comm, \
+                    (peak() if last and log_peak else contextlib.nullcontext()) as live:
+                loss = loss_of(model, x, y, dtype)
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        out[name] = {"losses": losses, "comm": comm.summary() if comm else None,
+                     "peak": live.peak if live else None, "loss_dtype": str(loss.dtype)}
+        return out[name]
+
+    for wire in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = DDP(make_model().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+        sent = []
+        model.register_comm_hook(sent, allreduce_in(wire))
+        r = run(f"DDP, {str(wire)[6:]} all-reduce", model, torch.bfloat16)
+        r["hook"] = {"all-reduce": {"bytes": sum(b for _, b in sent) // steps, "dtypes": sorted({d for d, _ in sent})}}
+    for name, (policy, checkpoint) in policies.items():
+        torch.manual_seed(0)
+        model = shard(make_model().to(device), mesh, policy, checkpoint)
+        seen = {}
+        model.blocks[0].register_forward_pre_hook(lambda mod, args: seen.update(compute=str(args[0].dtype)))
+        r = run(name, model, log_peak=True)
+        r["compute"], r["weights"] = seen["compute"], str(model.head.weight.to_local().dtype)
+    return out
