@@ -8,6 +8,7 @@ this file guards against: a killed agent's workers lived on, and the survivor wa
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -67,9 +68,11 @@ def test_kill_takes_the_agents_workers_with_it(tmp_path):
     agent = agents.start_agent("solo", script, log_dir=tmp_path, nnodes="1", nproc=2,
                                endpoint=f"127.0.0.1:{free_port()}", env={"LOGLEVEL": "INFO"})
     try:
-        agents.wait_until(lambda: agent.output.count("worker pid") == 2, [agent], WAIT, "two workers")
-        workers = [psutil.Process(int(line.split("worker pid")[1])) for line in agent.output.splitlines()
-                   if "worker pid" in line]
+        def pids():  # whole lines only: the agent's output is read as it arrives, a line may be half there
+            return [int(pid) for pid in re.findall(r"worker pid (\d+)\n", agent.output)]
+
+        agents.wait_until(lambda: len(pids()) == 2, [agent], WAIT, "two workers")
+        workers = [psutil.Process(pid) for pid in pids()]
         assert all(os.getsid(w.pid) != os.getsid(agent.proc.pid) for w in workers), "workers in their own sessions"
         agent.kill()
     finally:
@@ -106,3 +109,14 @@ def test_a_held_agent_whose_kernel_is_gone_starts_nothing(tmp_path):
     finally:
         agents.stop_all([agent])
     assert codes != [0] and "worker started" not in agent.output and "stdin closed" in agent.output
+
+
+def test_a_step_line_still_being_written_is_left_for_the_next_read(tmp_path):
+    """wait_until polls the loss log while rank 0 appends to it: half a line must not be parsed (or crash)."""
+    from helpers.measure.elastic_log import step_lines
+
+    log = tmp_path / "losses.jsonl"
+    log.write_text('{"step": 1, "saved": false}\n{"step": 2, "saved": true}\n{"step": 3, "sa')
+    assert [line["step"] for line in step_lines(tmp_path)] == [1, 2]
+    log.write_text(log.read_text() + 'ved": false}\n')
+    assert [line["step"] for line in step_lines(tmp_path)] == [1, 2, 3]

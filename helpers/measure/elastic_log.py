@@ -25,7 +25,10 @@ def worker_starts(out) -> list[dict]:
 def step_lines(out) -> list[dict]:
     """Rank 0's line per trained step (step, loss, world, saved, attempt, time), in the order written."""
     path = Path(out) / "losses.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not path.exists():
+        return []
+    text = path.read_text()  # read while rank 0 appends: a line not yet ended is left for the next read
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def stretches(out) -> list[dict]:
