@@ -19,6 +19,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def init_distributed():
+    """The process group from torchrun's environment: NCCL on this rank's own GPU (set and passed as device_id)
+    where every local rank has one, else gloo on the CPU. Returns the device this rank computes on."""
+    use_gpu = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_gpu else "gloo", device_id=device if use_gpu else None)
+    return device
+
+
 def char_corpus():
     """CPython's language reference (pydoc_data, standard library) as character ids, and the vocabulary size."""
     from pydoc_data.topics import topics
@@ -117,11 +128,7 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-4)
     args = parser.parse_args()
-    use_gpu = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_gpu else torch.device("cpu")
-    if use_gpu:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_gpu else "gloo", device_id=device if use_gpu else None)
+    device = init_distributed()
     try:
         r = train(args, device)
         if dist.get_rank() == 0:

@@ -475,13 +475,14 @@ def grad_scaler_at_work(make_model, get_batch, loss_of, steps: int, init_scale: 
     return grads, log
 
 
-def amp_and_sharding(make_model, get_batch, loss_of, allreduce_in, shard, policies: dict, steps: int,
+def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce_in, shard, policies: dict, steps: int,
                      record=contextlib.nullcontext, peak=contextlib.nullcontext) -> dict:
     """Runs in every rank: DDP with bf16 autocast, its gradients all-reduced by the notebook's hook in fp32 then
     in bf16; then FSDP2 under each of `policies` ({name: (MixedPrecisionPolicy, checkpoint blocks?)}). Every
     variant starts from the same weights (seed 0) and sees the same batches (each rank its own).
 
-    The notebook's plain pieces do the work: `make_model()` (a GPT with `.blocks` and `.head`), `get_batch(g)`,
+    The notebook's plain pieces do the work: `init_distributed()` (the recipe's process group; returns the device),
+    `make_model()` (a GPT with `.blocks` and `.head`), `get_batch(g)`,
     `loss_of(model, x, y, dtype)`, `allreduce_in(wire)` -> a DDP comm hook whose state is a list it appends
     (dtype, bytes) to, and `shard(model, mesh, policy, checkpoint)`. The last step of each variant runs inside
     `record()` (a collective log with `.summary()`) and, for FSDP2, `peak()` (with `.peak` bytes). Returns per
@@ -489,17 +490,11 @@ def amp_and_sharding(make_model, get_batch, loss_of, allreduce_in, shard, polici
     first block computes in and the dtype the weights are kept in. A rank uses its GPU where every local rank has
     one (NCCL), else the CPU with gloo.
     """
-    import os
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    use_gpu = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_gpu else torch.device("cpu")
-    if use_gpu:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_gpu else "gloo", device_id=device if use_gpu else None)
+    device = init_distributed()
     try:
         return _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak,
                              device, init_device_mesh(device.type, (dist.get_world_size(),)), DDP)
