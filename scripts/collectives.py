@@ -8,8 +8,6 @@ against dist.all_reduce, and a tour of every collective, checked against its clo
 import argparse
 import gc
 import os
-import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -20,19 +18,28 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def device_and_backend():
-    """(device, backend) for this rank: its own GPU and NCCL when every local rank can have a GPU, else CPU and gloo."""
+def start_process_group(**init_args):
+    """Join the group (env:// unless `init_args` say otherwise) on this rank's own GPU with NCCL when every local
+    rank can have one, else on the CPU with gloo. Returns the device this rank computes on."""
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available() and local_world <= torch.cuda.device_count():
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
-def start_process_group():
-    """Join the group torchrun's environment describes (env://); returns the device this rank computes on."""
-    device, backend = device_and_backend()
-    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # batch_isend_irecv under NCCL wants the current device set
+        dist.init_process_group(backend="nccl", device_id=device, **init_args)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(backend="gloo", **init_args)
     return device
+
+
+def exchange(traffic, sends=(), recvs=()):
+    """Post every (tensor, peer) send and receive at once, wait for them all, and count this rank's bytes."""
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    for handle in dist.batch_isend_irecv(ops) if ops else []:  # it refuses an empty list (one rank, alone)
+        handle.wait()
+    traffic["sent"] += sum(t.numel() * t.element_size() for t, _ in sends)
+    traffic["received"] += sum(t.numel() * t.element_size() for t, _ in recvs)
 
 
 def ring_all_reduce(tensor):
@@ -41,44 +48,29 @@ def ring_all_reduce(tensor):
     right, left = (rank + 1) % n, (rank - 1) % n
     chunks = list(tensor.view(-1).tensor_split(n))  # views into `tensor`; sizes differ by at most one element
     traffic = {"sent": 0, "received": 0}
-
-    def exchange(outgoing, incoming):
-        ops = [dist.P2POp(dist.isend, outgoing, right), dist.P2POp(dist.irecv, incoming, left)]
-        for handle in dist.batch_isend_irecv(ops):
-            handle.wait()
-        traffic["sent"] += outgoing.numel() * outgoing.element_size()
-        traffic["received"] += incoming.numel() * incoming.element_size()
-
     for step in range(n - 1):  # reduce-scatter: add what arrives
         send_i, recv_i = (rank - step) % n, (rank - step - 1) % n
         incoming = torch.empty_like(chunks[recv_i])
-        exchange(chunks[send_i], incoming)
+        exchange(traffic, sends=[(chunks[send_i], right)], recvs=[(incoming, left)])
         chunks[recv_i] += incoming
     for step in range(n - 1):  # all-gather: overwrite with the finished chunk
         send_i, recv_i = (rank + 1 - step) % n, (rank - step) % n
-        exchange(chunks[send_i], chunks[recv_i])
+        exchange(traffic, sends=[(chunks[send_i], right)], recvs=[(chunks[recv_i], left)])
     return traffic
 
 
 def root_all_reduce(tensor):
     """Sum `tensor` over all ranks through rank 0 (a parameter server on rank 0). Returns the bytes moved."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    size = tensor.numel() * tensor.element_size()
     traffic = {"sent": 0, "received": 0}
     if rank == 0:
-        incoming = torch.empty_like(tensor)
-        for src in range(1, n):
-            dist.recv(incoming, src=src)
-            traffic["received"] += size
-            tensor += incoming
-        for dst in range(1, n):
-            dist.send(tensor, dst=dst)
-            traffic["sent"] += size
+        incoming = [torch.empty_like(tensor) for _ in range(1, n)]
+        exchange(traffic, recvs=[(t, src) for src, t in enumerate(incoming, start=1)])
+        tensor += sum(incoming)
+        exchange(traffic, sends=[(tensor, dst) for dst in range(1, n)])
     else:
-        dist.send(tensor, dst=0)
-        traffic["sent"] += size
-        dist.recv(tensor, src=0)
-        traffic["received"] += size
+        exchange(traffic, sends=[(tensor, 0)])
+        exchange(traffic, recvs=[(tensor, 0)])
     return traffic
 
 
@@ -91,12 +83,10 @@ def ring_check(elements_per_rank, device):
     for label, numel in (("divisible", n * elements_per_rank), ("uneven", n * elements_per_rank + 1)):
         x = torch.randint(-1000, 1000, (numel,), generator=generator, dtype=torch.int64).to(device)
         by_ring, by_root, by_torch = x.clone(), x.clone(), x.clone()
-        ring_traffic = ring_all_reduce(by_ring)
-        root_traffic = root_all_reduce(by_root)
+        traffic = {"ring": ring_all_reduce(by_ring), "root": root_all_reduce(by_root)}
         dist.all_reduce(by_torch)
         out[label] = {"input": x.cpu(), "ring": by_ring.cpu(), "root": by_root.cpu(), "torch": by_torch.cpu(),
-                      "ring_traffic": ring_traffic, "root_traffic": root_traffic,
-                      "size_bytes": x.numel() * x.element_size()}
+                      "traffic": traffic, "size_bytes": x.numel() * x.element_size()}
     return out
 
 
@@ -191,28 +181,6 @@ def tour_mismatches(seen, rank, n):
     return wrong
 
 
-def collectives_worker():
-    device = start_process_group()
-    try:
-        rank, n = dist.get_rank(), dist.get_world_size()
-        seen = collectives_tour(device)
-        mine = (10 * (rank + 1) + torch.arange(n, dtype=torch.float32)).to(device)
-        old_gather, old_scatter = torch.empty(n * n, device=device), torch.empty(1, device=device)
-        with warnings.catch_warnings(record=True) as caught:  # the names before torch 2.13
-            warnings.simplefilter("always")
-            dist.all_gather_into_tensor(old_gather, mine)
-            dist.reduce_scatter_tensor(old_scatter, mine)
-        time.sleep(0.2 * rank)  # barrier: rank r arrives 0.2 r s late; nobody may leave before the last arrives
-        arrived = time.time()
-        dist.barrier()
-        return {"seen": seen, "old_names": (old_gather.cpu(), old_scatter.cpu()), "arrived": arrived,
-                "left": time.time(), "warnings": [str(w.message) for w in caught
-                                                   if issubclass(w.category, FutureWarning)]}
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elements-per-rank", type=int, default=250_000,
@@ -222,10 +190,9 @@ def main():
     try:
         rank, n = dist.get_rank(), dist.get_world_size()
         ring = ring_check(args.elements_per_rank, device)
-        for label, case in ring.items():
-            assert torch.equal(case["ring"], case["torch"]), f"rank {rank}: the ring differs from all_reduce ({label})"
-        sent, size = ring["divisible"]["ring_traffic"]["sent"], ring["divisible"]["size_bytes"]
-        assert sent * n == 2 * (n - 1) * size, f"rank {rank} sent {sent} bytes of {size}"
+        wrong = [label for label, case in ring.items() if not torch.equal(case["ring"], case["torch"])]
+        sent, size = ring["divisible"]["traffic"]["ring"]["sent"], ring["divisible"]["size_bytes"]
+        assert not wrong and sent * n == 2 * (n - 1) * size, f"rank {rank}: ring {wrong} wrong, or sent {sent} B"
         seen = collectives_tour(device)
         wrong = tour_mismatches(seen, rank, n)
         assert not wrong, f"rank {rank}: {wrong} differ from their closed forms"

@@ -1,5 +1,6 @@
 """helpers.measure.collective_claims: each judgement reads the right records, computes its figure by the formula
-it states, and words the verdict from the measurement's spread; helpers.plots.collectives.explored_point."""
+it states, and words the verdict from the measurement's spread; helpers.plots.collectives.explored_point and
+before_after."""
 from __future__ import annotations
 
 import matplotlib
@@ -82,6 +83,16 @@ def test_latency_bound_share_and_memory_copy_ratio():
     assert "x0.500 -> within the claimed 0-1x" in judge.below_memory_copy(rows, copy, "gloo")
 
 
+def test_ring_saving_is_one_minus_the_busiest_links_ratio():
+    assert judge.RING_SAVING["server on rank 0"](4) == pytest.approx(50.0)       # 4(n-1)/n S against 2(n-1) S
+    assert judge.RING_SAVING["dedicated server"](4) == pytest.approx(62.5)       # 3 S against 8 S
+    text = judge.ring_saving(75.0, 8)
+    assert "server on rank 0    0.0%  33.3%  50.0%  66.7%  75.0%  87.5%  96.9%   within the claim for n in [4, 6]" \
+        in text
+    assert "within the claim for n in [2, 3, 4]" in text  # the dedicated server
+    assert "(8 ranks, server on rank 0): above the claimed 50-70%" in text
+
+
 def test_detail_cost_ratio():
     text = judge.detail_cost({"ratios": [2.0] * 5, "detail_s": 2e-5, "off_s": 1e-5})
     assert "20 us with DETAIL, 10 us without" in text and "ratio x2.00" in text
@@ -101,3 +112,16 @@ def test_explored_point_stars_one_point_on_its_collectives_curve():
     assert list(curve.get_xdata()) == [1024, 1 << 16, 1 << 20] and list(star.get_xdata()) == [1 << 18]
     assert star.get_ydata()[0] == pytest.approx(point["busbw"] / 1e9)
     assert drawn[latency]["this press"].get_ydata()[0] == pytest.approx(4e-4 * 1e6)
+
+
+def test_before_after_draws_each_ranks_tensors_and_a_dash_for_none():
+    import torch
+
+    from helpers.plots.collectives import before_after
+
+    per_rank = [{"reduce(dst=0)": (torch.tensor([10.0, 11.0]), torch.tensor([30.0, 32.0]))},
+                {"reduce(dst=0)": (torch.tensor([20.0, 21.0]), None)}]
+    fig = before_after(per_rank)
+    cells = fig.axes[0].tables[0].get_celld()
+    assert [cells[1, j].get_text().get_text() for j in range(4)] == ["[10 11]", "[20 21]", "[30 32]", "-"]
+    assert cells[1, -1].get_text().get_text() == "reduce(dst=0)"

@@ -1,11 +1,12 @@
-"""The seed articles' claims on backends, the network and threads, judged from what notebook 01 measured.
+"""The seed articles' claims on collectives, backends, the network and threads, judged from what notebooks 01 and
+01b measured.
 
 Why a module: each judgement is bookkeeping around one measurement (pick the records the claim is about, take
 the interval its repeats support, print the claim's setting beside this machine's, call `claims.verdict`). Kept
 here, the notebook's claim cells show the claim and the measurement they rest on, and print the lines these
 functions return. Every function takes results already measured (`collectives.sweep_worker`'s records and
-ceilings, `intra_op_threads_worker`, `detail_cost_worker`, `transport_facts`, `helpers.describe_machine()`) and
-returns text: nothing here measures, so each can be tested with made-up records.
+ceilings, `intra_op_threads_worker`, `detail_cost_worker`, `transport_facts`, `helpers.describe_machine()`, the
+bytes notebook 01's ring counted) and returns text: nothing here measures, so each can be tested with made-up records.
 """
 from __future__ import annotations
 
@@ -29,6 +30,27 @@ def detail_cost(cost: dict) -> str:
         f"(rank 0); ratio x{median:.2f} (interval x{spread[0]:.2f}-x{spread[1]:.2f}, {len(ratios)} rounds)",
         "'DETAIL costs time on every collective' (x1 or more): "
         + verdict(median, 1.0, None, unit="x", spread=spread)])
+
+
+RING_SAVING = {  # % less traffic on the busiest link in a ring all-reduce than with a parameter server, for n ranks
+    "server on rank 0": lambda n: 100 * (1 - 2 / n),                  # 4(n-1)/n S against 2(n-1) S
+    "dedicated server": lambda n: 100 * (1 - 2 * (n - 1) / n ** 2),   # 4(n-1)/n S against 2n S
+}
+
+
+def ring_saving(measured_pct: float, n: int, claimed: tuple = (50, 70), ns: tuple = (2, 3, 4, 6, 8, 16, 64)) -> str:
+    """'Ring all-reduce cuts communication by 50-70% against a parameter server'. The totals are equal, so the
+    saving is on the busiest link: tabulated over `ns` for a server on rank 0 and a dedicated one, with the n each
+    falls within the claim for, and the verdict at the n measured (`measured_pct`, from the counted bytes)."""
+    lines = [f"saving on the busiest link, n = {ns}, claim {claimed[0]}-{claimed[1]}%:"]
+    for model, formula in RING_SAVING.items():
+        inside = [k for k in ns if verdict(formula(k), *claimed).startswith("within")]
+        lines.append(f"  {model:<17}" + "".join(f"{formula(k):6.1f}%" for k in ns)
+                     + f"   within the claim for n in {inside}")
+    lines.append(f"verdict at the n measured ({n} ranks, server on rank 0): "
+                 f"{verdict(measured_pct, *claimed, unit='%')}; the saving is not a constant, it depends on n and "
+                 "on where the server lives")
+    return "\n".join(lines)
 
 
 def latency_bound(records: list[dict], backend: str) -> str:

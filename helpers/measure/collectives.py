@@ -284,7 +284,7 @@ def time_collective(name: str, sizes: list[int], *, warmup: int = 5, repeats: in
 
 def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectives=COLLECTIVES, device=None,
                  gloo_on_cuda_up_to: int | None = None, ceilings: bool = True) -> dict:
-    """The benchmark notebook 01 launches: every collective at every size, and the ceilings to read them against.
+    """The benchmark notebook 01b launches: every collective at every size, and the ceilings to read them against.
 
     A harness, not teaching code: it runs under `helpers.launch` (or torchrun) and starts its own process group,
     with `device_id` on a GPU. Rank 0 measures the ceilings (`measure_ceilings`) before and after the sweep while

@@ -1,4 +1,4 @@
-"""Figures for notebook 01 (and any later notebook that benchmarks collectives with `helpers.measure.collectives`).
+"""Figures for notebooks 01 and 01b (and any later one that benchmarks collectives with helpers.measure.collectives).
 
 Why these three: what each rank holds before and after a collective is easier to read as a grid than as prose;
 a ring's per-rank traffic against a root's is the whole argument for the ring; and bandwidth against size (with
@@ -87,14 +87,17 @@ def _cell(value) -> str:
     return "[" + " ".join(shown) + "]"
 
 
-def before_after(rows: list[dict]):
+def before_after(per_rank: list[dict]):
     """A grid: one row per operation, each rank's tensor before and after it.
 
-    rows: dicts with 'op' (label), 'before' and 'after' (one tensor, list or None per rank; None is drawn '-',
-    meaning the operation leaves that rank's buffer undefined or gives that rank nothing).
+    per_rank: one dict per rank, {operation: (tensor before, tensor after)}, as notebook 01's collectives tour
+    returns them; None is drawn '-', meaning the operation leaves that rank's buffer undefined or gives that rank
+    nothing.
     """
     import matplotlib.pyplot as plt
 
+    rows = [{"op": op, "before": [seen[op][0] for seen in per_rank], "after": [seen[op][1] for seen in per_rank]}
+            for op in per_rank[0]]
     n = len(rows[0]["before"])
     columns = [f"rank {r}\nbefore" for r in range(n)] + [f"rank {r}\nafter" for r in range(n)]
     text = [[_cell(v) for v in row["before"]] + [_cell(v) for v in row["after"]] for row in rows]
