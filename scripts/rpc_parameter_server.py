@@ -80,7 +80,7 @@ class ParameterServer:
         self.trainers, self.live, self.finished = list(trainers), set(trainers), set()
         self.arrived, self.reply = {}, torch.futures.Future()  # the round in progress, and its answer
         self.over = torch.futures.Future()  # completed when every live trainer has finished
-        self.version, self.samples, self.snapshot_every = 0, 0, snapshot_every
+        self.version, self.samples, self.wall, self.snapshot_every = 0, 0, 0.0, snapshot_every
         self.snapshots, self.staleness, self.events = [], [], []
         self.start = time.perf_counter()
         self.snapshot()
@@ -121,9 +121,10 @@ class ParameterServer:
     def finish(self, name):  # answered when the run is over: all live processes reach rpc.shutdown together
         with self.lock:
             self.finished.add(name)
+            self.wall = time.perf_counter() - self.start  # the run ends when its last trainer finishes
         return self.over
 
-    def serve(self, every=0.5):
+    def serve(self, every=0.2):
         """On ps, once every worker has joined: until every live trainer has finished, ping each one still
         training. A dead one answers with an error at once (its connection is gone); the rounds stop waiting."""
         self.start = time.perf_counter()
@@ -165,8 +166,8 @@ def ps_job(design, steps, batch_size, hidden, depth, lr, train, test, codec=None
     name = start_rpc(rpc_timeout)
     if name == "ps":
         server.serve()
-        record = {"wall": time.perf_counter() - server.start, "updates": server.version,
-                  "samples": server.samples, "staleness": server.staleness, "events": server.events}
+        record = {"wall": server.wall, "updates": server.version, "samples": server.samples,
+                  "staleness": server.staleness, "events": server.events}
     else:
         ps_rref = rpc.remote("ps", the_server)
         model, version, record = mlp(hidden, depth), 0, {"sent": []}  # seeded: the server's initial values
