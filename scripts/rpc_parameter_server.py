@@ -11,7 +11,6 @@ import gc
 import itertools
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -20,36 +19,28 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.rpc import RRef
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 
-def rpc_options(rpc_timeout=60, threads=16):
-    """TensorPipe options. With more processes than cores, TCP only ('uv' over loopback, the private `_transports`
-    option): the shared-memory transport busy-polls and would take the cores the trainers compute on. Quiets the
-    deprecation warning about init_rpc's internal gloo group, and the traceback a failed graceful shutdown logs
-    (section 6 reports that failure itself)."""
-    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-    logging.getLogger("torch.distributed.rpc.api").setLevel(logging.CRITICAL)
+def start_rpc(rpc_timeout=60):
+    """Join the RPC group with torchrun's variables; rank 0 is `ps`, rank r is `trainer{r}`. With more processes
+    than cores, TCP only (private option): the shared-memory transport busy-polls the cores the trainers need."""
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")  # init_rpc's internal gloo group
+    logging.getLogger("torch.distributed.rpc.api").setLevel(logging.CRITICAL)  # a failed shutdown: we report it
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    crowded = int(os.environ["WORLD_SIZE"]) > cores
-    return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=rpc_timeout,
-                                           **({"_transports": ["uv"]} if crowded else {}))
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=rpc_timeout,
+                                              **({"_transports": ["uv"]} if world > cores else {}))
+    name = "ps" if rank == 0 else f"trainer{rank}"
+    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
+    return name
 
 
-def serve_by_name(*objects):
-    """Make functions and classes findable where RPC looks them up: by name, in `__main__`. Under torchrun they
-    are there already and this does nothing; a function sent to a worker by value (a notebook cell) has no such
-    home until this gives it one."""
-    main = sys.modules["__main__"]
-    for obj in objects:
-        if getattr(main, obj.__name__, None) is not obj:
-            setattr(main, obj.__name__, obj)
-
-
-def mlp(hidden, depth, n_in=64, n_classes=10):
-    """Notebook 02's DigitsMLP as plain layers: [0] the body (`depth` hidden ReLU layers), [1] the linear head."""
+def mlp(hidden, depth, seed=0, n_in=64, n_classes=10):
+    """Notebook 02's DigitsMLP as plain layers: [0] the body (`depth` hidden ReLU layers), [1] the linear head.
+    Seeded: every process that builds one starts from the same values."""
+    torch.manual_seed(seed)
     layers, width = [], n_in
     for _ in range(depth):
         layers += [nn.Linear(width, hidden), nn.ReLU()]
@@ -57,135 +48,102 @@ def mlp(hidden, depth, n_in=64, n_classes=10):
     return nn.Sequential(nn.Sequential(*layers), nn.Linear(width, n_classes))
 
 
-def accuracy(model, x, y):
+def load(model, params):
     with torch.no_grad():
-        return (model(x).argmax(dim=1) == y).float().mean().item()
+        for p, value in zip(model.parameters(), params):
+            p.copy_(value)
+    return model
 
 
-_server = {}  # per process; on ps, ps_job puts an Event and, once the server exists, its RRef here
+def evaluate(model, x, y):
+    with torch.no_grad():
+        logits = model(x)
+    return {"accuracy": (logits.argmax(dim=1) == y).float().mean().item(), "loss": F.cross_entropy(logits, y).item()}
 
 
-def server_rref():
-    """Runs on ps: hands a trainer the RRef to the parameter server, once it exists."""
-    if not _server["ready"].wait(timeout=60):
-        raise TimeoutError("the parameter server was not created within 60 s")
-    return _server["rref"]
+_server = {}  # on ps: the ParameterServer, made before init_rpc so that it exists before any trainer asks for it
+
+
+def the_server():
+    """Runs on ps, called by a trainer's `rpc.remote`: the RRef it gets refers to this object, which stays here."""
+    return _server["ps"]
 
 
 class ParameterServer:
-    """Model, optimizer, lock and record shared by both designs; subclasses define `push`."""
+    """Model and optimizer on ps. Synchronous: wait for a gradient from every live trainer, average them, step once
+    and answer all of them with the new parameters. Asynchronous: step on each gradient the moment it arrives."""
 
-    def __init__(self, trainers, hidden, depth, lr, snapshot_every, codec=None, seed=0):
-        torch.manual_seed(seed)
-        self.model, self.codec = mlp(hidden, depth), codec
+    def __init__(self, sync, trainers, hidden, depth, lr, snapshot_every, codec=None, seed=0):
+        self.model, self.sync, self.codec = mlp(hidden, depth, seed), sync, codec
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
-        self.lock = threading.Lock()
-        self.trainers, self.live, self.finished_by = list(trainers), set(trainers), set()
+        self.lock = threading.Lock()  # RPC calls run concurrently in the server's thread pool
+        self.trainers, self.live, self.finished = list(trainers), set(trainers), set()
+        self.arrived, self.reply = {}, torch.futures.Future()  # the round in progress, and its answer
         self.over = torch.futures.Future()  # completed when every live trainer has finished
-        self.version, self.samples, self.snapshot_every = 0, 0, snapshot_every
+        self.version, self.samples, self.wall, self.snapshot_every = 0, 0, 0.0, snapshot_every
         self.snapshots, self.staleness, self.events = [], [], []
         self.start = time.perf_counter()
-        self._snapshot()
+        self.snapshot()
 
     def parameters(self):
         return [p.detach().clone() for p in self.model.parameters()]
 
-    def current(self):
-        with self.lock:
-            return self.parameters(), self.version
-
-    def _apply(self, grads, samples):  # caller holds the lock
-        for p, g in zip(self.model.parameters(), grads):
-            p.grad = g
-        self.optimizer.step()
-        self.version += 1
-        self.samples += samples
-        if self.version % self.snapshot_every == 0:
-            self._snapshot()
-
-    def _snapshot(self):
+    def snapshot(self):  # evaluated after the run: evaluation never slows the run it measures
         self.snapshots.append({"update": self.version, "time": time.perf_counter() - self.start,
                                "samples": self.samples, "params": self.parameters()})
 
-    def _trainer_gone(self, name, why):  # caller holds the lock; subclasses may react too
-        self.live.discard(name)
-        self.events.append({"time": time.perf_counter() - self.start, "update": self.version, "trainer": name,
-                            "what": why})
-
-    @staticmethod
-    @rpc.functions.async_execution
-    def finished(ps_rref, name):
-        self = ps_rref.local_value()
-        with self.lock:
-            self.finished_by.add(name)
-            self._check_over()
-        return self.over
-
-    def _check_over(self):  # caller holds the lock
-        if self.live <= self.finished_by and not self.over.done():
-            self.over.set_result(self.version)
-
-    def watch(self, every=0.5, ping_timeout=10):
-        """Until the run is over: ping each live trainer that has not finished; an error means it is gone."""
-        while not self.over.done():
-            time.sleep(every)
-            with self.lock:
-                waiting_for = sorted(self.live - self.finished_by)
-            for name in waiting_for:
-                try:
-                    rpc.rpc_sync(name, os.getpid, timeout=ping_timeout)
-                except RuntimeError as exc:
-                    with self.lock:
-                        self._trainer_gone(name, f"ping failed: {str(exc).splitlines()[0][:120]}")
-                        self._check_over()
-
-
-class SyncParameterServer(ParameterServer):
-    """Waits for one gradient from every live trainer, averages, steps once, answers them all."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.arrived = {}
-        self.reply = torch.futures.Future()
-
-    @staticmethod
-    @rpc.functions.async_execution
-    def push(ps_rref, name, payload, version, samples):
-        self = ps_rref.local_value()
+    @rpc.functions.async_execution  # returns a Future: a trainer waiting for its round holds no server thread
+    def push(self, name, payload, version, samples):
         grads = self.codec.decode(payload) if self.codec else payload
         with self.lock:
+            self.staleness.append(self.version - version)  # always 0 when synchronous: each round waits for all
             reply = self.reply
             self.arrived[name] = (grads, samples)
-            self.staleness.append(self.version - version)  # always 0: everyone waits for the round
-            self._maybe_step()
-        return reply  # completes when the round does
+            self.step_when_ready()
+        return reply  # completes with the round
 
-    def _maybe_step(self):  # caller holds the lock
-        if not self.arrived or not self.live <= set(self.arrived):
+    def step_when_ready(self):  # caller holds the lock
+        if not self.arrived or (self.sync and not self.live <= set(self.arrived)):
             return
         names = [n for n in self.trainers if n in self.arrived]  # a fixed order: the same rounding every run
-        grads = [torch.stack(gs).mean(dim=0) for gs in zip(*(self.arrived[n][0] for n in names))]
-        self._apply(grads, sum(self.arrived[n][1] for n in names))
+        for p, *grads in zip(self.model.parameters(), *(self.arrived[n][0] for n in names)):
+            p.grad = torch.stack(grads).mean(dim=0)
+        self.optimizer.step()
+        self.version += 1
+        self.samples += sum(self.arrived[n][1] for n in names)
+        if self.version % self.snapshot_every == 0:
+            self.snapshot()
         self.arrived = {}
         reply, self.reply = self.reply, torch.futures.Future()
         reply.set_result((self.parameters(), self.version))
 
-    def _trainer_gone(self, name, why):
-        super()._trainer_gone(name, why)
-        self._maybe_step()  # the round no longer waits for the trainer that is gone
-
-
-class AsyncParameterServer(ParameterServer):
-    """Applies every gradient the moment it arrives and records how stale it was."""
-
-    @staticmethod
-    def push(ps_rref, name, payload, version, samples):
-        self = ps_rref.local_value()
-        grads = self.codec.decode(payload) if self.codec else payload
+    @rpc.functions.async_execution
+    def finish(self, name):  # answered when the run is over: all live processes reach rpc.shutdown together
         with self.lock:
-            self.staleness.append(self.version - version)
-            self._apply(grads, samples)
-            return self.parameters(), self.version
+            self.finished.add(name)
+            self.wall = time.perf_counter() - self.start  # the run ends when its last trainer finishes
+        return self.over
+
+    def serve(self, every=0.2):
+        """On ps, once every worker has joined: until every live trainer has finished, ping each one still
+        training. A dead one answers with an error at once (its connection is gone); the rounds stop waiting."""
+        self.start = time.perf_counter()
+        while True:
+            time.sleep(every)
+            with self.lock:
+                training = sorted(self.live - self.finished)
+            if not training:
+                break
+            for name in training:
+                try:
+                    rpc.rpc_sync(name, os.getpid, timeout=10)
+                except RuntimeError as exc:
+                    with self.lock:
+                        self.live.discard(name)
+                        self.events.append({"time": time.perf_counter() - self.start, "update": self.version,
+                                            "trainer": name, "what": f"ping failed: {str(exc).splitlines()[0][:120]}"})
+                        self.step_when_ready()
+        self.over.set_result(self.version)  # every live trainer has finished: answers their `finish`
 
 
 def shard_batches(x, y, index, n_shards, batch_size, seed=0):
@@ -198,54 +156,32 @@ def shard_batches(x, y, index, n_shards, batch_size, seed=0):
         yield from loader
 
 
-def train_against(ps_rref, push, index, n_trainers, steps, batch_size, hidden, depth, train, codec, die_after):
-    name = rpc.get_worker_info().name
-    model = mlp(hidden, depth)
-    params, version = ps_rref.rpc_sync().current()
-    batches = shard_batches(*train, index, n_trainers, batch_size)
-    losses, sent = [], []
-    for step in range(steps):
-        if step == die_after:
-            os._exit(1)  # a crash: no exception, no goodbye; the process is simply gone
-        with torch.no_grad():
-            for p, value in zip(model.parameters(), params):
-                p.copy_(value)
-        x, y = next(batches)
-        loss = F.cross_entropy(model(x), y)
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        payload = codec.encode(grads) if codec else grads
-        sent.append(codec.nbytes(payload) if codec else sum(g.numel() * g.element_size() for g in grads))
-        params, version = rpc.rpc_sync(ps_rref.owner(), push, args=(ps_rref, name, payload, version, len(y)))
-        losses.append(loss.item())
-    return {"losses": losses, "sent": sent}
-
-
 def ps_job(design, steps, batch_size, hidden, depth, lr, train, test, codec=None, die=None, die_after=None,
            rpc_timeout=60, shutdown_timeout=20):
-    serve_by_name(server_rref, ParameterServer, SyncParameterServer, AsyncParameterServer)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    name = "ps" if rank == 0 else f"trainer{rank}"
-    if name == "ps":
-        _server["ready"] = threading.Event()  # before init_rpc: no trainer can ask for the server earlier
-    rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=rpc_options(rpc_timeout))
-    trainers = [f"trainer{r}" for r in range(1, world)]
-    record = None
-    if name == "ps":
+    """Rank 0 serves and returns the run's record; ranks 1..T train and return the bytes of each push."""
+    trainers = [f"trainer{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
+    if os.environ["RANK"] == "0":
         every = max(1, steps // 12) * (1 if design == "sync" else len(trainers))  # same samples between snapshots
-        server_class = SyncParameterServer if design == "sync" else AsyncParameterServer
-        server = server_class(trainers, hidden, depth, lr, snapshot_every=every, codec=codec)
-        _server["rref"] = RRef(server)
-        _server["ready"].set()
-        server.watch()
-        record = {"wall": time.perf_counter() - server.start, "updates": server.version,
-                  "samples": server.samples, "staleness": server.staleness, "events": server.events}
+        server = _server["ps"] = ParameterServer(design == "sync", trainers, hidden, depth, lr, every, codec)
+    name = start_rpc(rpc_timeout)
+    if name == "ps":
+        server.serve()
+        record = {"wall": server.wall, "updates": server.version, "samples": server.samples,
+                  "staleness": server.staleness, "events": server.events}
     else:
-        ps_rref = rpc.rpc_sync("ps", server_rref)
-        push = SyncParameterServer.push if design == "sync" else AsyncParameterServer.push
-        record = train_against(ps_rref, push, rank - 1, len(trainers), steps, batch_size, hidden, depth, train,
-                               codec, die_after if name == die else None)
-        rpc.rpc_sync("ps", ParameterServer.finished, args=(ps_rref, name), timeout=0)  # 0: no limit; the
-        # run ends when every live trainer has finished, and the launch timeout bounds it
+        ps_rref = rpc.remote("ps", the_server)
+        model, version, record = mlp(hidden, depth), 0, {"sent": []}  # seeded: the server's initial values
+        batches = shard_batches(*train, trainers.index(name), len(trainers), batch_size)
+        for step in range(steps):
+            if name == die and step == die_after:
+                os._exit(1)  # a crash: no exception, no goodbye; the process is simply gone
+            x, y = next(batches)
+            grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+            payload = codec.encode(grads) if codec else grads
+            record["sent"].append(codec.nbytes(payload) if codec else sum(g.numel() * g.element_size() for g in grads))
+            params, version = ps_rref.rpc_sync().push(name, payload, version, len(y))  # runs on ps
+            load(model, params)
+        ps_rref.rpc_sync(timeout=0).finish(name)  # 0: no limit; a launch's or a job's own timeout bounds it
     try:
         rpc.shutdown(graceful=True, timeout=shutdown_timeout)
         record["shutdown"] = "clean"
@@ -253,14 +189,7 @@ def ps_job(design, steps, batch_size, hidden, depth, lr, train, test, codec=None
         record["shutdown"] = str(exc).splitlines()[0][:200]
     if name == "ps":  # after shutdown: evaluation needs no RPC and must not delay the other workers
         model = mlp(hidden, depth)
-        record["curve"] = []
-        for snap in server.snapshots:
-            with torch.no_grad():
-                for p, value in zip(model.parameters(), snap["params"]):
-                    p.copy_(value)
-                loss = F.cross_entropy(model(test[0]), test[1]).item()
-            record["curve"].append({k: snap[k] for k in ("update", "time", "samples")} |
-                                   {"accuracy": accuracy(model, *test), "loss": loss})
+        record["curve"] = [snap | evaluate(load(model, snap.pop("params")), *test) for snap in server.snapshots]
         record["params"] = server.parameters()
     return record
 
@@ -289,10 +218,9 @@ def main():
     train, test = clustered_data(args.samples)
     record = ps_job(args.design, args.steps, args.batch, args.hidden, args.depth, args.lr, train, test)
     gc.collect()  # ps_job has shut RPC down; what it built is freed before the interpreter exits
-    if int(os.environ["RANK"]) == 0:
-        trainers = int(os.environ["WORLD_SIZE"]) - 1
-        print(f"summary: {args.design} parameter server, {trainers} trainers, {record['updates']} updates, "
-              f"{record['samples'] / record['wall']:.0f} samples/s, test accuracy "
+    if os.environ["RANK"] == "0":
+        print(f"summary: {args.design} parameter server, {int(os.environ['WORLD_SIZE']) - 1} trainers, "
+              f"{record['updates']} updates, {record['samples'] / record['wall']:.0f} samples/s, test accuracy "
               f"{record['curve'][0]['accuracy']:.3f} -> {record['curve'][-1]['accuracy']:.3f}, "
               f"shutdown {record['shutdown']}", flush=True)
 

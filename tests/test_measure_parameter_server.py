@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.measure.parameter_server import interval_rates, judge_speedup, server_and_ring_bytes
+from helpers.measure.parameter_server import (interval_rates, judge_speedup, print_crash, ring_against_server,
+                                               server_and_ring_bytes)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8, 64])
@@ -29,3 +30,20 @@ def test_interval_rates_and_a_side_by_side_ratio(capsys):
     assert interval_rates(slow) == [10.0, 10.0, 5.0]
     assert judge_speedup("x", 1.41, fast, slow, here="test") == 2.0
     assert "not comparable here" in capsys.readouterr().out
+
+
+def test_the_ring_claims_verdict_follows_the_worker_count(capsys):
+    bytes_by_n = ring_against_server([2, 8], 1000.0, workers=3)
+    assert sorted(bytes_by_n) == [2, 3, 8]  # the judged count is always among those printed
+    assert "verdict for 3 workers, total bytes: below" in capsys.readouterr().out  # 1/3 = 33% < 50%
+    ring_against_server([8], 1000.0, workers=2)
+    assert "verdict for 2 workers, total bytes: within" in capsys.readouterr().out  # exactly 50%
+
+
+def test_print_crash_names_each_event(capsys):
+    server = {"events": [{"time": 1.5, "update": 7, "trainer": "trainer2", "what": "ping failed: EPIPE"}],
+              "updates": 20, "samples": 600, "curve": [{"accuracy": 0.9}], "shutdown": "timed out"}
+    print_crash(RuntimeError("rank 2 died\ntraceback"), server, elapsed_s=3.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "the launcher: rank 2 died" and "after update 7: trainer2: ping failed: EPIPE" in out[1]
+    assert "20 updates, 600 samples" in out[2] and out[3].endswith("3.0 s, none of it hanging")
