@@ -128,23 +128,29 @@ def accuracy(model, dataset, device):
     return correct / len(y)
 
 
-def fit(device, epochs, batch_size, accum, lr, hidden, depth, checkpoint, seed=0, dropout=0.0):
+def fit(device, epochs, batch_size, accum, lr, hidden, depth, checkpoint=None, seed=0, dropout=0.0, warmup_steps=0):
     train_set, test_set = load_digits()
     loader, sampler = shard_loader(train_set, batch_size, seed)
     model = replicated_model(device, hidden, depth, seed, dropout)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses = []
+    # a large global batch with its lr scaled up diverges early: ramp the lr up linearly (Goyal et al. 2017)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, 1 / max(warmup_steps, 1), total_iters=warmup_steps)
+    losses, curve = [], []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         batches = iter(loader)
         for _ in range(len(loader) // accum):
             losses.append(train_step(model, optimizer, [next(batches) for _ in range(accum)], device))
-    if dist.get_rank() == 0:
-        torch.save(model.module.state_dict(), checkpoint)
-    dist.barrier()  # the file is complete before any rank reads it
-    saved = torch.load(checkpoint, map_location=device)
-    restored = all(torch.equal(saved[k], v) for k, v in model.module.state_dict().items())
-    return {"losses": losses, "accuracy": accuracy(model.module, test_set, device), "restored": restored,
+            warmup.step()
+        curve.append(accuracy(model.module, test_set, device))  # test accuracy after each epoch
+    restored = None
+    if checkpoint:
+        if dist.get_rank() == 0:
+            torch.save(model.module.state_dict(), checkpoint)
+        dist.barrier()  # the file is complete before any rank reads it
+        saved = torch.load(checkpoint, map_location=device)
+        restored = all(torch.equal(saved[k], v) for k, v in model.module.state_dict().items())
+    return {"losses": losses, "curve": curve, "accuracy": curve[-1], "restored": restored,
             "params": parameters_to_vector(model.parameters()).detach().cpu()}
 
 
@@ -154,6 +160,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per micro-batch")
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step (no_sync)")
     parser.add_argument("--lr", type=float, default=0.04, help="SGD with momentum 0.9")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up, for a large global batch")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--dropout", type=float, default=0.0)
@@ -161,7 +168,7 @@ def main():
     parser.add_argument("--checkpoint", default="digits_mlp.pt", help="written by rank 0 (a shared path on nodes)")
     args = parser.parse_args()
     result = in_process_group(fit, args.epochs, args.batch_size, args.accum, args.lr, args.hidden, args.depth,
-                              args.checkpoint, args.seed, args.dropout)
+                              args.checkpoint, args.seed, args.dropout, args.warmup_steps)
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"summary: world_size={os.environ.get('WORLD_SIZE', 1)} steps={len(result['losses'])} "
               f"final_loss={result['losses'][-1]:.4f} test_accuracy={result['accuracy']:.3f} "

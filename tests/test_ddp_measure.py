@@ -188,7 +188,7 @@ def _powersgd_step_on_cpu(pretend_cuda: bool) -> tuple[list, str | None]:
 
 
 def test_powersgd_hook_synchronizes_cuda_for_a_cpu_bucket_when_a_gpu_is_visible():
-    """The cause of the crash of notebook 02's PowerSGD demo on CPU ranks of a GPU machine: torch's hook calls
+    """The cause of the crash of notebook 02b's PowerSGD demo on CPU ranks of a GPU machine: torch's hook calls
     torch.cuda.synchronize(bucket device) whenever CUDA is available, whatever the bucket's device."""
     (calls, error), = helpers.launch(_powersgd_step_on_cpu, True, world_size=1, timeout=120)
     assert error is not None and "cuda device" in error and calls == ["cpu"]

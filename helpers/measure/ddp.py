@@ -1,6 +1,6 @@
 """Watching DDP from the inside: how many buckets it builds, what it hands to the wire (timing: helpers.measure.timing).
 
-Why a module of its own: notebook 02 must show the DDP lines themselves (the wrapper, `no_sync`, the comm hook,
+Why a module of its own: notebooks 02 and 02b must show the DDP lines themselves (the wrapper, `no_sync`, the comm hook,
 `Join`), not the book-keeping around them. Everything here observes or predicts; nothing changes what DDP
 computes. The predictions are the closed forms the notebook asserts against:
 

@@ -1,6 +1,6 @@
-"""The seed articles' claims about DDP, each printed beside what notebook 02 measured, with a computed verdict.
+"""The seed articles' claims about DDP, each printed beside what notebooks 02 and 02b measured, with a computed verdict.
 
-Why a module: notebook 02 must show the DDP lines and the measurements (which launch, which variant, which
+Why a module: notebooks 02 and 02b must show the DDP lines and the measurements (which launch, which variant, which
 repeats); the wording of eight claims, their settings and the arithmetic that turns medians into a verdict with
 its noise are book-keeping around them. Each function prints the claim, the measurement and the verdict
 (helpers.measure.claims.verdict: 'inconclusive' where the noise straddles the claim's boundary, 'not comparable

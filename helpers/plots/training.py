@@ -1,4 +1,4 @@
-"""Figures of notebook 02 (DDP): loss and accuracy curves, the bucket sweep and overlap, compression, ZeRO bytes,
+"""Figures of notebooks 02 and 02b (DDP): loss and accuracy curves, the bucket sweep and overlap, compression, ZeRO bytes,
 scaling.
 
 Each function takes what the workers measured (plain lists and dicts) and returns the Figure; none measures.
