@@ -20,8 +20,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def init_distributed():
-    """The process group from torchrun's environment: NCCL on this rank's own GPU (set and passed as device_id)
-    where every local rank has one, else gloo on the CPU. Returns the device this rank computes on."""
+    """torchrun's process group: NCCL on this rank's own GPU (device_id) where every local rank has one, else gloo."""
     use_gpu = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_gpu else torch.device("cpu")
     if use_gpu:
@@ -132,10 +131,10 @@ def main():
     try:
         r = train(args, device)
         if dist.get_rank() == 0:
+            scale = f", final scale {r['scale']:g}" if r["scale"] else ""
             print(f"summary: {args.dtype}{' + compile' if args.compile else ''} on {dist.get_world_size()} "
                   f"{device.type} ranks, {r['parameters']:,} parameters, loss {r['first']:.3f} -> {r['last']:.3f} "
-                  f"in {args.steps} steps, {r['seconds']:.1f} s" + (f", final scale {r['scale']:g}" if r["scale"] else ""),
-                  flush=True)
+                  f"in {args.steps} steps, {r['seconds']:.1f} s{scale}", flush=True)
     finally:
         gc.collect()
         dist.destroy_process_group()

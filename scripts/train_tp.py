@@ -9,7 +9,6 @@
 import argparse
 import gc
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,20 +23,11 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 
 
-@dataclass
-class Config:
-    vocab_size: int
-    seq_len: int = 64
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, d_model, n_heads):
         super().__init__()
-        self.head_dim = cfg.d_model // cfg.n_heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.d_model, cfg.d_model, bias=False) for _ in range(4))
+        self.head_dim = d_model // n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d_model, d_model, bias=False) for _ in range(4))
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -48,19 +38,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, d_model):
         super().__init__()
-        self.w1, self.w2 = nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.w1, self.w2 = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
 
     def forward(self, x):
         return self.w2(F.gelu(self.w1(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, d_model, n_heads):
         super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(cfg.d_model), Attention(cfg)
-        self.norm2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
+        self.norm1, self.attn = nn.LayerNorm(d_model), Attention(d_model, n_heads)
+        self.norm2, self.mlp = nn.LayerNorm(d_model), MLP(d_model)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -68,21 +58,21 @@ class Block(nn.Module):
 
 
 class Embed(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, vocab, d_model, seq_len):
         super().__init__()
-        self.tok, self.pos = nn.Embedding(cfg.vocab_size, cfg.d_model), nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
 
     def forward(self, idx):
         return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, vocab, d_model=256, n_layers=4, n_heads=4, seq_len=64):
         super().__init__()
-        self.embed = Embed(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.embed = Embed(vocab, d_model, seq_len)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
 
     def forward(self, idx):
         x = self.embed(idx)
@@ -99,54 +89,55 @@ def corpus(pad_vocab_to=64):
     text = "\n\n".join(topics[key] for key in sorted(topics))
     chars = sorted(set(text))
     index = {c: i for i, c in enumerate(chars)}
-    tokens = torch.tensor([index[c] for c in text], dtype=torch.long)
-    return tokens, -(-len(chars) // pad_vocab_to) * pad_vocab_to
+    return torch.tensor([index[c] for c in text]), -(-len(chars) // pad_vocab_to) * pad_vocab_to
 
 
 def text_batch(tokens, batch, seq_len, generator):
     """Random windows of the corpus and their next characters."""
-    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator).tolist()
-    x = torch.stack([tokens[s:s + seq_len] for s in starts])
-    return x, torch.stack([tokens[s + 1:s + seq_len + 1] for s in starts])
+    index = torch.randint(0, len(tokens) - seq_len - 1, (batch, 1), generator=generator) + torch.arange(seq_len)
+    return tokens[index], tokens[index + 1]
 
 
-def setup():
-    """init_process_group from torchrun's environment: NCCL with this rank's own GPU (device_id) when every local
-    rank can have one, else gloo on the CPU. Returns the device."""
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
-        device = torch.device("cuda", local_rank)
+def init_distributed():
+    """torchrun's process group: NCCL on this rank's own GPU (device_id) where every local rank has one, else gloo."""
+    use_gpu = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_gpu else torch.device("cpu")
+    if use_gpu:
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if use_gpu else "gloo", device_id=device if use_gpu else None)
     return device
+
+
+def run_distributed(body, *args):
+    """The worker: process group, `body(device, *args)`, clean exit. `body` returns plain values only, so what it
+    made (models, optimizers, their pending collective work) is freed before the group goes: else gloo can abort."""
+    device = init_distributed()
+    try:
+        return body(device, *args)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def apply_tp(model, tp_mesh, sequence_parallel=True):
     """Megatron-style TP inside each block, loss-parallel output layer; with `sequence_parallel` the norms and the
     residual stream are sharded along the sequence (Shard(1)). The embeddings stay replicated over tp."""
-    seq = Shard(1)
+    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream between the TP layers
     for block in model.blocks:
-        plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-                "attn.wo": RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate()),
-                "mlp.w1": ColwiseParallel(),
-                "mlp.w2": RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())}
         # The input as one DTensor per attention and MLP (all-gathered from the sequence shards with SP): wq, wk
         # and wv then add their partial input gradients before a single reduction, as Megatron's fused qkv does.
-        gather = PrepareModuleInput(input_layouts=(seq if sequence_parallel else Replicate(),),
-                                    desired_input_layouts=(Replicate(),))
-        plan.update({"attn": gather, "mlp": gather})
+        gather = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
+        plan = {"attn": gather, "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+                "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(output_layouts=between),
+                "mlp": gather, "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=between)}
         if sequence_parallel:
-            plan.update({"norm1": SequenceParallel(), "norm2": SequenceParallel()})
+            plan |= {"norm1": SequenceParallel(), "norm2": SequenceParallel()}
         parallelize_module(block, tp_mesh, plan)
-    top = {"head": ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(),
-                                   output_layouts=Shard(-1), use_local_output=False)}  # logits stay sharded
-    if sequence_parallel:
-        top.update({"embed": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq),
-                    "norm": SequenceParallel()})
-    return parallelize_module(model, tp_mesh, top)
+    top = {"head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)}
+    if sequence_parallel:  # the embeddings' sum is cut into sequence shards (free), the final norm works on them
+        top |= {"embed": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=between),
+                "norm": SequenceParallel()}
+    return parallelize_module(model, tp_mesh, top)  # logits stay sharded over the vocabulary: loss_parallel
 
 
 def apply_fsdp(model, dp_mesh):
@@ -164,31 +155,35 @@ def parallel_loss(logits, targets):
     return loss
 
 
-def train(device, steps, tp, batch, lr, d_model, layers, checkpoint_dir=None, seed=0):
-    """Train on a (dp, tp) mesh; return plain values only, so every object that holds process-group work is
-    freed when this returns (before destroy_process_group)."""
+def train_step(model, opt, x, y, dp_group):
+    """One step on this rank's batch, gradients cleared first (the last ones stay to inspect); the dp-mean loss."""
+    opt.zero_grad()
+    loss = parallel_loss(model(x), y)
+    opt.step()
+    mean = loss.full_tensor().detach().clone()
+    dist.all_reduce(mean, group=dp_group)
+    return mean.item() / dist.get_world_size(dp_group)
+
+
+def train(device, args):
+    """Train on a (dp, tp) mesh; return plain values only (see run_distributed)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     tokens, vocab = corpus()
-    cfg = Config(vocab_size=vocab, d_model=d_model, n_layers=layers)
-    torch.manual_seed(seed)                                   # same weights on every rank
-    model = apply_fsdp(apply_tp(GPT(cfg).to(device), mesh["tp"]), mesh["dp"])
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    torch.manual_seed(0)                                      # same weights on every rank
+    model = GPT(vocab, args.d_model, args.layers, seq_len=args.seq_len).to(device)
+    model = apply_fsdp(apply_tp(model, mesh["tp"]), mesh["dp"])
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + mesh.get_local_rank("dp"))   # tp peers share a batch
     losses = []
-    for step in range(steps):
-        x, y = (t.to(device) for t in text_batch(tokens, batch, cfg.seq_len, gen))
-        loss = parallel_loss(model(x), y)
-        opt.step()
-        opt.zero_grad()
-        mean = loss.full_tensor().detach().clone()
-        dist.all_reduce(mean, group=mesh.get_group("dp"))
-        losses.append(mean.item() / mesh.size(0))
-        if rank == 0 and (step % max(1, steps // 10) == 0 or step == steps - 1):
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in text_batch(tokens, args.batch, args.seq_len, gen))
+        losses.append(train_step(model, opt, x, y, mesh.get_group("dp")))
+        if rank == 0 and (step % max(1, args.steps // 10) == 0 or step == args.steps - 1):
             print(f"step {step:>5}  loss {losses[-1]:.4f}", flush=True)
-    if checkpoint_dir:
-        dcp.save(get_model_state_dict(model), checkpoint_id=checkpoint_dir)
-    return {"rank": rank, "mesh": tuple(mesh.shape), "first": losses[0], "last": losses[-1]}
+    if args.checkpoint_dir:
+        dcp.save(get_model_state_dict(model), checkpoint_id=args.checkpoint_dir)
+    return {"rank": rank, "device": device.type, "mesh": tuple(mesh.shape), "first": losses[0], "last": losses[-1]}
 
 
 def main():
@@ -196,21 +191,16 @@ def main():
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree; dp = world size // tp")
     parser.add_argument("--batch", type=int, default=8, help="sequences per dp rank")
+    parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--checkpoint-dir", default=None, help="save a DCP checkpoint there at the end")
     args = parser.parse_args()
-    device = setup()
-    try:
-        result = train(device, args.steps, args.tp, args.batch, args.lr, args.d_model, args.layers,
-                       args.checkpoint_dir)
-        gc.collect()
-        if result["rank"] == 0:
-            print(f"summary: mesh (dp, tp) = {result['mesh']} on {device.type}, loss {result['first']:.3f} -> "
-                  f"{result['last']:.3f} in {args.steps} steps", flush=True)
-    finally:
-        dist.destroy_process_group()
+    result = run_distributed(train, args)
+    if result["rank"] == 0:
+        print(f"summary: mesh (dp, tp) = {result['mesh']} on {result['device']}, loss {result['first']:.3f} -> "
+              f"{result['last']:.3f} in {args.steps} steps", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -117,3 +117,15 @@ def test_checkpointing_cost_removes_each_blocks_activations_but_its_input():
     assert removed == 3 * (out["one_block_saved"] - out["block_input_bytes"])
     assert out["forward_calls"] == {False: 3, True: 6}
     assert out["peak_bytes"][True] < out["peak_bytes"][False] and len(out["ratios"]) == 2
+
+
+def test_checkpointing_summary_states_the_removed_bytes_and_the_peaks():
+    from helpers.measure.activations import checkpointing_summary
+
+    mib = 2 ** 20
+    ac = {"saved_bytes": {False: 10 * mib, True: 4 * mib}, "n_layers": 3, "one_block_saved": 2.5 * mib,
+          "block_input_bytes": 0.5 * mib, "peak_label": "peak live tensors during one step",
+          "peak_bytes": {False: 12 * mib, True: 7.25 * mib}}
+    assert checkpointing_summary(ac) == ("saved for backward: 10.00 -> 4.00 MiB (exactly 3 x (one block's 2.50 MiB - "
+                                         "its 0.50 MiB input) removed); peak live tensors during one step 12.00 -> "
+                                         "7.25 MiB")

@@ -170,3 +170,27 @@ def test_bench_summary_takes_medians_of_side_by_side_ratios(capsys):
     assert speedup["bf16"]["median"] == 3.0 and speedup["bf16"]["low"] <= 3.0 <= speedup["bf16"]["high"]
     assert ceiling == {"fp32": 1.0, "bf16": 4.0} and final == {"fp32": 1.0, "bf16": 1.5}
     assert "bf16" in capsys.readouterr().out
+
+
+def test_scaler_table_shows_zero_share_and_the_scale_as_a_power_of_two():
+    grads = {"fp32": torch.tensor([1.0, -2.0]), "fp16, no scaler": torch.zeros(2)}
+    log = [{"step": s, "scale": 2.0 ** (24 - s), "overflow": True, "updated": False, "loss": 4.5} for s in range(12)]
+    lines = amp_bench.scaler_table(grads, log, rows=3).splitlines()
+    assert len(lines) == 2 + 3
+    assert lines[0] == "fp32              weight gradient:   0.0% zeros, largest |g| 2"
+    assert "100.0% zeros" in lines[1]
+    assert lines[3] == "step  1  scale 2^23  overflow True  weights updated False loss 4.500"
+
+
+def test_wire_rows_take_the_hook_for_ddp_and_the_collective_log_for_fsdp():
+    from helpers.measure.comm_log import ALL_GATHER, REDUCE_SCATTER
+
+    variants = {"DDP, bfloat16 all-reduce": {"hook": {"all-reduce": {"bytes": 2048, "dtypes": ["torch.bfloat16"]}},
+                                             "comm": {"broadcast": {"bytes": 1, "dtypes": ["torch.float32"]}}},
+                "FSDP2 fp32": {"comm": {ALL_GATHER: {"bytes": 4096, "dtypes": ["torch.float32"]},
+                                        REDUCE_SCATTER: {"bytes": 1024, "dtypes": ["torch.float32"]},
+                                        "broadcast": {"bytes": 1, "dtypes": ["torch.float32"]}}}}
+    rows = amp_bench.wire_rows(variants)
+    assert rows == [("DDP, bfloat16 all-reduce: all-reduce", "bfloat16", 2048),
+                    (f"FSDP2 fp32: {ALL_GATHER}", "float32", 4096), (f"FSDP2 fp32: {REDUCE_SCATTER}", "float32", 1024)]
+    assert amp_bench.wire_table(rows[:1]) == f"{rows[0][0]:<46}   0.002 MiB per step and rank, bfloat16"

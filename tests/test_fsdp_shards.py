@@ -83,3 +83,21 @@ def test_formula_matches_a_real_fully_shard():
         assert r["held"] == expected["held"]
         assert r["allocated"] == expected["allocated"]
     assert results[0]["held"] != results[1]["held"], "13 rows split 7 / 6: the ranks differ"
+
+
+def test_gathered_numel_pads_every_parameter_and_splits_root_from_blocks():
+    from torch import nn
+
+    from helpers.measure.fsdp_shards import gathered_numel
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(3, 5) for _ in range(2))  # weight 5x3, bias 5
+            self.head = nn.Linear(5, 7, bias=False)                            # 7x5
+
+    with torch.device("meta"):
+        model = Tiny()
+    # world 2: dim 0 padded to even rows: 5 -> 6 (weight 6x3 = 18, bias 6), 7 -> 8 (8x5 = 40)
+    assert gathered_numel(model, 2) == (40, 2 * (18 + 6))
+    assert gathered_numel(model, 1) == (35, 2 * (15 + 5))

@@ -36,7 +36,7 @@ def _tp_mlp_report(report, element_owners):
             out = model(x)
             out.sum().backward()
         result = report(model, out, reference, ref_out, comm)
-        result["owners"], result["layout_ok"] = element_owners(model)
+        result["layout"] = element_owners(model)
         del model, out, comm, mesh
         return result
     finally:
@@ -53,8 +53,21 @@ def test_tp_report_and_element_owners_on_a_column_then_row_parallel_mlp():
         assert r["local_param_bytes"] == 4 * ((8 * 4 + 8 + 4 * 8) // 2 + 4)
         assert r["placements"]["0.weight"] == "(Shard(dim=0),)" and r["placements"]["2.bias"] == "(Replicate(),)"
         assert r["total"] == {"all_reduce": 1}  # the row-parallel layer's partial sums, once, in forward
-        assert r["layout_ok"]
+        assert r["layout"]["layout_ok"]
+        assert r["layout"]["shapes"]["0.weight"] == (8, 4) and r["layout"]["placements"]["2.bias"] == "(Replicate(),)"
     for name, numel, copies in (("0.weight", 32, 1), ("2.weight", 32, 1), ("2.bias", 4, 2)):
-        held = sorted(i for r in results for i in r["owners"][name].tolist())
+        held = sorted(i for r in results for i in r["layout"]["owners"][name].tolist())
         assert held == sorted(list(range(numel)) * copies), name
 
+
+
+def test_tp_table_prints_each_setting_with_its_gaps_and_block_zero_collectives():
+    report = {"logits_placements": "(Shard(dim=2),)", "logits_gap": 1.5e-7, "grad_gap": 2.5e-7,
+              "per_module": {"GPT.blocks.0": {"forward": {"all_reduce": 2}}}, "total": {"all_reduce": 7}}
+    lines = parallel.tp_table({False: report, True: {**report, "per_module": {}}}).splitlines()
+    assert len(lines) == 6
+    assert lines[0] == ("sequence parallel False: logits (Shard(dim=2),), max |logits - reference| 1.50e-07, "
+                        "max |grad - reference| 2.50e-07")
+    assert lines[1] == "  collectives of block 0: forward {'all_reduce': 2}, backward {}"
+    assert lines[2] == "  whole step: {'all_reduce': 7}"
+    assert lines[4] == "  collectives of block 0: forward {}, backward {}"

@@ -191,3 +191,14 @@ def checkpointing_cost(make_model, checkpoint_blocks, loss_of, get_batch, steps:
     out["peak_label"] = ("peak allocated (torch.cuda.max_memory_allocated)" if device.type == "cuda" else
                          "peak live tensors during one step")
     return out
+
+
+def checkpointing_summary(ac: dict) -> str:
+    """`checkpointing_cost`'s memory side in one line: the bytes saved for backward without and with
+    checkpointing (and the closed form of the difference: each block's saved tensors but its input), and the
+    peak of one step."""
+    mib = 2.0 ** 20
+    return (f"saved for backward: {ac['saved_bytes'][False] / mib:.2f} -> {ac['saved_bytes'][True] / mib:.2f} MiB "
+            f"(exactly {ac['n_layers']} x (one block's {ac['one_block_saved'] / mib:.2f} MiB - its "
+            f"{ac['block_input_bytes'] / mib:.2f} MiB input) removed); {ac['peak_label']} "
+            f"{ac['peak_bytes'][False] / mib:.2f} -> {ac['peak_bytes'][True] / mib:.2f} MiB")

@@ -6,12 +6,11 @@ Why a module: the notebook's workers build the models (the `parallelize_module`,
 `torch.compile` the reader copies); turning what they built into comparable plain numbers (largest gaps, bytes
 held, collective counts per module, timing loops, graph counts) is bookkeeping that would bury that code. The
 workers take these functions as arguments, so they stay free of `helpers` and run unchanged under torchrun;
-`step_cost` and `compiled_vs_eager` are launched themselves and take the recipe (`setup`, the model, the batch,
-the parallelisms) from the notebook.
+`step_cost` and `compiled_vs_eager` are bodies for the recipe's `run_distributed` (which makes the process group and
+passes the device) and take the rest of the recipe (the model, the batch, the parallelisms) as arguments.
 """
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
@@ -50,10 +49,24 @@ def tp_report(model, logits, reference, ref_logits, comm, rtol: float = 1e-5, at
     }
 
 
-def element_owners(model) -> tuple[dict[str, torch.Tensor], bool]:
-    """For every parameter of a DTensor model, the global flat indices of the elements this rank holds (an index
-    tensor distributed with the parameter's own mesh and placements), and whether that recipe reproduces the
-    parameter's local shard (checked on the parameter itself). Call `model.reshard()` first under FSDP2."""
+def tp_table(reports: dict) -> str:
+    """One rank's `tp_report`s, {sequence parallel?: report}, as three lines each: the logits' placements and the
+    largest gaps to the reference, block 0's collectives per pass, and the whole step's."""
+    lines = []
+    for sp, r in reports.items():
+        block = r["per_module"].get("GPT.blocks.0", {})
+        lines += [f"sequence parallel {sp}: logits {r['logits_placements']}, max |logits - reference| "
+                  f"{r['logits_gap']:.2e}, max |grad - reference| {r['grad_gap']:.2e}",
+                  f"  collectives of block 0: forward {block.get('forward', {})}, backward {block.get('backward', {})}",
+                  f"  whole step: {r['total']}"]
+    return "\n".join(lines)
+
+
+def element_owners(model) -> dict:
+    """Where every element of a DTensor model lives, seen from this rank: `owners` {name: the global flat indices
+    of the elements this rank holds (an index tensor distributed with the parameter's own mesh and placements)},
+    `layout_ok` (that recipe reproduces each parameter's local shard, checked on the parameter itself), and each
+    parameter's `placements` (str) and global `shapes`. Call `model.reshard()` first under FSDP2."""
     from torch.distributed.tensor import distribute_tensor
 
     owners, layout_ok = {}, True
@@ -62,14 +75,16 @@ def element_owners(model) -> tuple[dict[str, torch.Tensor], bool]:
         owners[name] = distribute_tensor(index, p.device_mesh, p.placements).to_local().long().flatten().cpu()
         mine = distribute_tensor(p.detach().full_tensor(), p.device_mesh, p.placements).to_local()
         layout_ok &= torch.equal(mine, p.to_local())
-    return owners, layout_ok
+    return {"owners": owners, "layout_ok": layout_ok,
+            "placements": {n: str(p.placements) for n, p in model.named_parameters()},
+            "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
 
 
-def step_cost(setup, make_model, get_batch, apply_tp, apply_fsdp, parallel_loss, batch: int, repeats: int) -> dict:
-    """Launch on every rank: one training step's collectives (calls, ring bytes) and `repeats` timed steps, TP
-    over all ranks against FSDP over all ranks at the same global batch (TP: every rank the whole batch; FSDP: each
-    rank its part). `setup()` makes the process group and returns the device; `make_model()` builds the model from
-    the current seed; `get_batch(n, generator)` gives (x, y). Returns plain values."""
+def step_cost(device, make_model, get_batch, apply_tp, apply_fsdp, parallel_loss, batch: int, repeats: int) -> dict:
+    """In every rank, inside a process group (`run_distributed(step_cost, ...)`): one training step's collectives
+    (calls, ring bytes) and `repeats` timed steps, TP over all ranks against FSDP over all ranks at the same global
+    batch (TP: every rank the whole batch; FSDP: each rank its part). `make_model()` builds the model from the
+    current seed; `get_batch(n, generator)` gives (x, y). Returns plain values."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -77,33 +92,28 @@ def step_cost(setup, make_model, get_batch, apply_tp, apply_fsdp, parallel_loss,
     from helpers.measure.comm_log import CollectiveLog
     from helpers.measure.timing import time_steps
 
-    device = setup()
-    try:
-        world, out = dist.get_world_size(), {}
-        for strategy in ("tp", "fsdp"):
-            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=(strategy,))
-            torch.manual_seed(0)
-            model = make_model().to(device)
-            gen = torch.Generator().manual_seed(0 if strategy == "tp" else dist.get_rank())
-            x, y = (t.to(device) for t in get_batch(batch * world if strategy == "tp" else batch, gen))
-            if strategy == "tp":
-                model = apply_tp(model, mesh)
-                step = lambda: parallel_loss(model(x), y)  # noqa: E731
-            else:
-                model = apply_fsdp(model, mesh)
-                step = lambda: F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()  # noqa: E731
+    world, out = dist.get_world_size(), {}
+    for strategy in ("tp", "fsdp"):
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=(strategy,))
+        torch.manual_seed(0)
+        model = make_model().to(device)
+        gen = torch.Generator().manual_seed(0 if strategy == "tp" else dist.get_rank())
+        x, y = (t.to(device) for t in get_batch(batch * world if strategy == "tp" else batch, gen))
+        if strategy == "tp":
+            model = apply_tp(model, mesh)
+            step = lambda: parallel_loss(model(x), y)  # noqa: E731
+        else:
+            model = apply_fsdp(model, mesh)
+            step = lambda: F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()  # noqa: E731
+        step()
+        log = CollectiveLog()
+        with log:
             step()
-            log = CollectiveLog()
-            with log:
-                step()
-            out[strategy] = {"collectives": {kind: {"calls": v["calls"], "ring_bytes": log.ring_bytes_sent(kind)}
-                                             for kind, v in log.summary().items()},
-                             "bytes_sent": log.ring_bytes_sent(), "seconds": time_steps(step, repeats, device=device)}
-            del model, step
-        return out
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
+        out[strategy] = {"collectives": {kind: {"calls": v["calls"], "ring_bytes": log.ring_bytes_sent(kind)}
+                                         for kind, v in log.summary().items()},
+                         "bytes_sent": log.ring_bytes_sent(), "seconds": time_steps(step, repeats, device=device)}
+        del model, step
+    return out
 
 
 def cost_table(cost: dict) -> str:
@@ -119,52 +129,48 @@ def cost_table(cost: dict) -> str:
     return "\n".join(lines)
 
 
-def compiled_vs_eager(setup, compiled_and_eager, get_batch, batch: int, backend: str, repeats: int,
+def compiled_vs_eager(device, compiled_and_eager, get_batch, batch: int, backend: str, repeats: int,
                       kinds=("plain", "DDP", "FSDP2")) -> dict:
-    """Launch on every rank: for each kind, `compiled_and_eager(kind, counting_backend, device)` returns a compiled
-    model and its eager twin (same weights); measured: the graphs the compiler was handed (node counts), the first
-    step's seconds (it compiles), both models' gradients after one step (close at rtol = atol = 1e-4, and the
-    largest gap), and `repeats` timed steps of each. Returns plain values."""
+    """In every rank, inside a process group (`run_distributed(compiled_vs_eager, ...)`): for each kind,
+    `compiled_and_eager(kind, counting_backend, device)` returns a compiled model and its eager twin (same weights);
+    measured: the graphs the compiler was handed (node counts), the first step's seconds (it compiles), both models'
+    gradients after one step (close at rtol = atol = 1e-4, and the largest gap), and `repeats` timed steps of each.
+    Returns plain values."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from helpers.measure.timing import time_steps
 
-    device = setup()
-    try:
-        x, y = (t.to(device) for t in get_batch(batch, torch.Generator().manual_seed(dist.get_rank())))
-        graphs: list[int] = []
+    x, y = (t.to(device) for t in get_batch(batch, torch.Generator().manual_seed(dist.get_rank())))
+    graphs: list[int] = []
 
-        def counting(gm, example_inputs):  # sees every graph Dynamo (and DDPOptimizer) hands over
-            graphs.append(len(gm.graph.nodes))
-            return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+    def counting(gm, example_inputs):  # sees every graph Dynamo (and DDPOptimizer) hands over
+        graphs.append(len(gm.graph.nodes))
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
 
-        def step(model):
-            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    def step(model):
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
 
-        def grads_after_step(model):
-            step(model)
-            return [full(p.grad).clone() for p in model.parameters()]
+    def grads_after_step(model):
+        step(model)
+        return [full(p.grad).clone() for p in model.parameters()]
 
-        out = {}
-        for kind in kinds:
-            torch._dynamo.reset()
-            graphs.clear()
-            compiled, eager = compiled_and_eager(kind, counting, device)
-            start = time.perf_counter()
-            got = grads_after_step(compiled)  # the first call compiles
-            first = time.perf_counter() - start
-            want = grads_after_step(eager)
-            out[kind] = {"graphs": list(graphs), "first_step_s": first,
-                         "close": all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, want)),
-                         "gap": max((a - b).abs().max().item() for a, b in zip(got, want)),
-                         "compiled_s": time_steps(lambda: step(compiled), repeats, warmup=1, device=device),
-                         "eager_s": time_steps(lambda: step(eager), repeats, warmup=1, device=device)}
-            del compiled, eager
-        return out
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
+    out = {}
+    for kind in kinds:
+        torch._dynamo.reset()
+        graphs.clear()
+        compiled, eager = compiled_and_eager(kind, counting, device)
+        start = time.perf_counter()
+        got = grads_after_step(compiled)  # the first call compiles
+        first = time.perf_counter() - start
+        want = grads_after_step(eager)
+        out[kind] = {"graphs": list(graphs), "first_step_s": first,
+                     "close": all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, want)),
+                     "gap": max((a - b).abs().max().item() for a, b in zip(got, want)),
+                     "compiled_s": time_steps(lambda: step(compiled), repeats, warmup=1, device=device),
+                     "eager_s": time_steps(lambda: step(eager), repeats, warmup=1, device=device)}
+        del compiled, eager
+    return out
 
 
 def compile_table(result: dict) -> str:

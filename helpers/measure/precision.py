@@ -475,6 +475,18 @@ def grad_scaler_at_work(make_model, get_batch, loss_of, steps: int, init_scale: 
     return grads, log
 
 
+def scaler_table(grads: dict, log: list[dict], rows: int = 10) -> str:
+    """`grad_scaler_at_work`'s two records as text: per way of computing it, the share of the weight gradient that
+    is zero and its largest magnitude; then the first `rows` steps of the GradScaler log (scale as a power of 2)."""
+    import math
+
+    lines = [f"{how:<17} weight gradient: {float((g == 0).float().mean()):6.1%} zeros, largest |g| {g.abs().max():.3g}"
+             for how, g in grads.items()]
+    lines += [f"step {r['step']:>2}  scale 2^{round(math.log2(r['scale'])):<3} overflow {r['overflow']!s:<5} "
+              f"weights updated {r['updated']!s:<5} loss {r['loss']:.3f}" for r in log[:rows]]
+    return "\n".join(lines)
+
+
 def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce_in, shard, policies: dict, steps: int,
                      record=contextlib.nullcontext, peak=contextlib.nullcontext) -> dict:
     """Runs in every rank: DDP with bf16 autocast, its gradients all-reduced by the notebook's hook in fp32 then
@@ -503,6 +515,23 @@ def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce
 
         gc.collect()  # models, optimizers and their pending work are freed before the group goes
         dist.destroy_process_group()
+
+
+def wire_rows(variants: dict) -> list[tuple[str, str, int]]:
+    """One rank's `amp_and_sharding` result as (variant: collective, dtypes, bytes per step) rows: the DDP hook's
+    all-reduce, FSDP2's all-gather and reduce-scatter; what `wire_table` prints and `plots.precision.collective_bytes`
+    draws."""
+    from helpers.measure.comm_log import ALL_GATHER, REDUCE_SCATTER
+
+    return [(f"{name}: {kind}", "/".join(c["dtypes"]).replace("torch.", ""), c["bytes"])
+            for name, r in variants.items() for kind, c in (r.get("hook") or r["comm"]).items()
+            if kind in ("all-reduce", ALL_GATHER, REDUCE_SCATTER)]
+
+
+def wire_table(rows: list[tuple[str, str, int]]) -> str:
+    """`wire_rows` as one line each: MiB per step and rank, and the dtype on the wire."""
+    return "\n".join(f"{label:<46} {nbytes / 2**20:7.3f} MiB per step and rank, {dtype}"
+                     for label, dtype, nbytes in rows)
 
 
 def _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak, device,
