@@ -184,8 +184,8 @@ def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=
         commit_when_written(*pending, ckpt_dir, keep)
     params = {k: v.full_tensor().cpu() for k, v in app.model.state_dict().items()}
     return {"rank": rank, "attempt": attempt, "resumed_from": resumed_from, "losses": losses, "params": params,
-            "world_size": dist.get_world_size(), "device": device.type, "epoch": app.epoch,
-            "loader": app.loader.state_dict(), "steps_per_epoch": len(app.loader)}
+            "world_size": dist.get_world_size(), "device": device.type, "loader": app.loader.state_dict(),
+            "steps_per_epoch": len(app.loader)}
 
 
 def train(ckpt_dir, **options):
