@@ -162,7 +162,7 @@ def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=
     dist.barrier()  # the debris is gone before any rank stages a save
     with open(Path(ckpt_dir) / f"losses.rank{rank}.jsonl", "a", buffering=1) as log:  # each line written at once
         while app.step < total_steps:
-            app.loader.sampler.set_epoch(app.epoch)
+            app.loader.sampler.set_epoch(app.epoch)  # this epoch's order, a loaded epoch's too
             for x, y in app.loader:  # after a load: from the first batch of this epoch not yet trained on
                 if app.step == crash_at and rank == dist.get_world_size() - 1 and attempt == 0:
                     os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would
