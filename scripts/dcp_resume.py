@@ -147,7 +147,7 @@ def commit_when_written(future, step, ckpt_dir, keep):
 def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=2, crash_at=None, d_model=128,
                           n_layers=2, batch=8, seed=0):
     """Train to `total_steps`, resuming from the newest committed checkpoint under `ckpt_dir` if there is one.
-    `crash_at`: the last rank SIGKILLs itself before that step, on torchrun's first attempt only. Each rank
+    `crash_at`: the last rank SIGKILLs itself after that step, on torchrun's first attempt only. Each rank
     appends its losses to ckpt_dir/losses.rank<r>.jsonl, which outlives a killed process. Returns plain values."""
     rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -208,7 +208,7 @@ def main():
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    parser.add_argument("--crash-at", type=int, help="plant a crash: the last rank SIGKILLs itself before this "
+    parser.add_argument("--crash-at", type=int, help="plant a crash: the last rank SIGKILLs itself after this "
                         "step, on the first attempt only")
     args = parser.parse_args()
     result = train(**vars(args))
