@@ -1,16 +1,12 @@
 # Written by `./cookbook export` from notebooks/06_checkpointing_and_fault_tolerance.ipynb, cells tagged 'script:dcp_resume.py'.
 # Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 dcp_resume.py --help
-"""Resumable FSDP2 training with Distributed Checkpoint (DCP), from notebook 06 of the cookbook.
-
-Run the same command again after a failure and it resumes from the newest committed checkpoint, bit for bit: model
-and optimizer (sharded, so any world size loads them), LR schedule, step, epoch and the data loader's position
-(torchdata's StatefulDataLoader). Nothing saved depends on the rank or the device: GPU checkpoints load on CPUs.
-"""
+"""Resumable FSDP2 training with Distributed Checkpoint (DCP), from notebook 06 of the cookbook: run the same
+command again after a failure (or let torchrun --max-restarts do it) and it resumes from the newest committed
+checkpoint bit for bit, at any world size; nothing saved depends on the rank or the device."""
 import argparse
 import gc
 import json
 import os
-import re
 import shutil
 import signal
 import time
@@ -26,20 +22,19 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
 class TinyLM(nn.Module):
     """A small decoder-only transformer on bytes (like notebook 03's CharTransformer, of torch's own layers)."""
 
-    def __init__(self, d_model=128, n_layers=2, n_heads=4, seq_len=64, dropout=0.1, vocab=256):
+    def __init__(self, d_model=128, n_layers=2, seq_len=64, dropout=0.1):
         super().__init__()
-        self.tok_emb, self.pos_emb = nn.Embedding(vocab, d_model), nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout,
-                                                               batch_first=True, norm_first=True)
-                                    for _ in range(n_layers))
-        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.tok_emb, self.pos_emb = nn.Embedding(256, d_model), nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, dropout, batch_first=True,
+                                                               norm_first=True) for _ in range(n_layers))
+        self.head = nn.Linear(d_model, 256, bias=False)
 
     def forward(self, idx):
         mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
@@ -49,43 +44,59 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
-class ByteWindows(Dataset):
-    """CPython's own language reference (pydoc_data, about 0.8 MB, no download) as windows of bytes."""
-
-    def __init__(self, seq_len=64):
-        from pydoc_data.topics import topics
-        text = "\n\n".join(topics[k] for k in sorted(topics)).encode()
-        self.data, self.seq_len = torch.frombuffer(bytearray(text), dtype=torch.uint8).long(), seq_len
-
-    def __len__(self):
-        return (len(self.data) - 1) // self.seq_len
-
-    def __getitem__(self, i):
-        window = self.data[i * self.seq_len:(i + 1) * self.seq_len + 1]
-        return window[:-1], window[1:]
-
-
-def rank_device():
-    """This rank's GPU when every local rank can have one, else the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+def byte_windows(seq_len=64):
+    """CPython's own language reference (pydoc_data, about 0.8 MB, no download) as (bytes, next bytes) windows."""
+    from pydoc_data.topics import topics
+    text = "\n\n".join(topics[k] for k in sorted(topics)).encode()
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    n = (len(data) - 1) // seq_len
+    return TensorDataset(data[:n * seq_len].view(n, seq_len), data[1:n * seq_len + 1].view(n, seq_len))
 
 
 def init_distributed():
-    """The default group: gloo for CPU tensors plus NCCL for CUDA ones on GPUs (DCP's async_save needs a CPU
-    backend), with device_id so NCCL binds this rank's GPU."""
-    device = rank_device()
-    if device.type == "cuda":
+    """The default group and this rank's device: NCCL for CUDA tensors beside gloo for CPU ones (async_save needs
+    a CPU backend) when every local rank has a GPU, with device_id so NCCL binds it; else gloo on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
-    return device
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def build(device, d_model=128, n_layers=2, batch=8, total_steps=100, seed=0):
+    """Model sharded with FSDP2 over every rank (same weights everywhere), AdamW, cosine LR, and a loader that
+    gives each rank its own shard of the data in an order fixed by (seed, epoch); all of it in an AppState."""
+    torch.manual_seed(seed)
+    model = TinyLM(d_model, n_layers).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    sampler = DistributedSampler(byte_windows(), seed=seed, drop_last=True)
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates
+        warnings.filterwarnings("ignore", message=".*set_vital")
+        loader = StatefulDataLoader(sampler.dataset, batch_size=batch, sampler=sampler, drop_last=True)
+    return AppState(model, optimizer, scheduler, loader)
+
+
+def train_step(app, x, y, device, seed=0):
+    """One optimizer step, its dropout masks fixed by (seed, rank, step) alone."""
+    torch.manual_seed(seed + 1_000_003 * dist.get_rank() + app.step)
+    logits = app.model(x.to(device))
+    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
+    loss.backward()
+    app.optimizer.step()
+    app.scheduler.step()
+    app.optimizer.zero_grad(set_to_none=True)
+    app.step += 1
+    return loss.item()
 
 
 class AppState(Stateful):
-    """Everything a resumed run needs and nothing that depends on the rank or the device (no RNG state: each step
-    reseeds from (seed, rank, step)). DCP calls state_dict() to save and load_state_dict() to load."""
+    """Everything a resumed run needs and nothing that depends on the rank or the device."""
 
     def __init__(self, model, optimizer, scheduler, loader):
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
@@ -100,41 +111,17 @@ class AppState(Stateful):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.epoch = state["step"], state["epoch"]
-        self.loader.sampler.set_epoch(self.epoch)
         self.loader.load_state_dict(json.loads(state["loader"]))
 
 
-def build(d_model=128, n_layers=2, batch=8, total_steps=100, seed=0, dropout=0.1):
-    """Model sharded with FSDP2 over every rank (same weights everywhere), AdamW, cosine LR, and a loader that
-    gives each rank its own shard of the data in an order fixed by (seed, epoch)."""
-    device = rank_device()
-    torch.manual_seed(seed)
-    model = TinyLM(d_model, n_layers, dropout=dropout).to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    sampler = DistributedSampler(ByteWindows(), seed=seed, drop_last=True)
-    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates
-        warnings.filterwarnings("ignore", message=".*set_vital")
-        loader = StatefulDataLoader(sampler.dataset, batch_size=batch, sampler=sampler, drop_last=True)
-    return AppState(model, optimizer, scheduler, loader), device
-
-
-def step_dir(root, step):
-    return Path(root) / f"step_{step:08d}"
-
-
 def staging_dir(root, step):
+    """Where the save of `step` is written: a dot-folder that `latest` never picks."""
     return Path(root) / f".step_{step:08d}.partial"
 
 
 def latest(root):
-    """The newest committed checkpoint (a `step_*` folder with DCP's `.metadata`), or None."""
-    done = [p for p in Path(root).glob("step_*") if re.fullmatch(r"step_\d{8}", p.name) and (p / ".metadata").exists()]
-    return max(done, default=None)
+    """The newest committed checkpoint (a `step_<8 digits>` folder with DCP's `.metadata`), or None."""
+    return max((p for p in Path(root).glob("step_" + "[0-9]" * 8) if (p / ".metadata").exists()), default=None)
 
 
 def commit(root, step, keep=2):
@@ -142,7 +129,7 @@ def commit(root, step, keep=2):
     within a file system, fsync the parent so the rename survives a power cut, then delete all but `keep`."""
     if not (staging_dir(root, step) / ".metadata").exists():
         raise FileNotFoundError(f"the save of step {step} did not finish")
-    os.rename(staging_dir(root, step), step_dir(root, step))
+    os.rename(staging_dir(root, step), Path(root) / f"step_{step:08d}")
     fd = os.open(root, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
@@ -150,88 +137,62 @@ def commit(root, step, keep=2):
         shutil.rmtree(old)
 
 
-def train_step(app, x, y, device, seed=0):
-    """One optimizer step. Dropout draws from a generator reseeded from (seed, rank, step): a resumed step draws
-    the same masks without any generator state in the checkpoint."""
-    torch.manual_seed(seed + 1_000_003 * dist.get_rank() + app.step)
-    logits = app.model(x.to(device))
-    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
-    loss.backward()
-    app.optimizer.step()
-    app.scheduler.step()
-    app.optimizer.zero_grad(set_to_none=True)
-    app.step += 1
-    return loss.item()
-
-
-def commit_when_written(pending, ckpt_dir, keep):
-    """Wait for an async save (its future and step) to be written, then commit it (rank 0)."""
-    future, step = pending
+def commit_when_written(future, step, ckpt_dir, keep):
+    """Wait until an async save is written on this rank; rank 0 then publishes it."""
     future.result()
     if dist.get_rank() == 0:
         commit(ckpt_dir, step, keep)
 
 
-def train_from_checkpoint(ckpt_dir, total_steps=40, save_every=10, keep=2, async_save=False, crash_at=None,
-                          crash_rank=1, d_model=128, n_layers=2, batch=8, seed=0):
+def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=2, crash_at=None, d_model=128,
+                          n_layers=2, batch=8, seed=0):
     """Train to `total_steps`, resuming from the newest committed checkpoint under `ckpt_dir` if there is one.
-    Saves are committed once complete; an async save is committed at the first step that finds it written.
-    `crash_at`: rank `crash_rank` SIGKILLs itself before that step, on torchrun's first attempt only. Each rank
+    `crash_at`: the last rank SIGKILLs itself after that step, on torchrun's first attempt only. Each rank
     appends its losses to ckpt_dir/losses.rank<r>.jsonl, which outlives a killed process. Returns plain values."""
     rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    app, device = build(d_model, n_layers, batch, total_steps, seed)
-    save_group = dist.new_group(backend="gloo") if async_save else None  # async saves talk on their own group
-    resume = latest(ckpt_dir)
-    if resume is not None:
+    os.makedirs(ckpt_dir, exist_ok=True)
+    app = build(device, d_model, n_layers, batch, total_steps, seed)
+    save_group = dist.new_group(backend="gloo")  # async saves talk on their own group
+    if (resume := latest(ckpt_dir)) is not None:
         dcp.load({"app": app}, checkpoint_id=resume)
     resumed_from, losses, pending = app.step, {}, None
     if rank == 0:
         for debris in Path(ckpt_dir).glob(".step_*.partial"):  # saves that never finished
             shutil.rmtree(debris)
-    dist.barrier()
-    app.loader.sampler.set_epoch(app.epoch)
-    batches = iter(app.loader)  # continues where the loaded state left it
-    with open(Path(ckpt_dir) / f"losses.rank{rank}.jsonl", "a") as log:
+    dist.barrier()  # the debris is gone before any rank stages a save
+    with open(Path(ckpt_dir) / f"losses.rank{rank}.jsonl", "a", buffering=1) as log:  # each line written at once
         while app.step < total_steps:
-            if app.step == crash_at and rank == crash_rank and attempt == 0:
-                os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would
-            try:
-                x, y = next(batches)
-            except StopIteration:  # the epoch is over: a new order
+            app.loader.sampler.set_epoch(app.epoch)  # this epoch's order, a loaded epoch's too
+            for x, y in app.loader:  # after a load: from the first batch of this epoch not yet trained on
+                if app.step == crash_at and rank == dist.get_world_size() - 1 and attempt == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would
+                loss = train_step(app, x, y, device, seed)
+                losses[app.step] = loss
+                print(json.dumps(dict(step=app.step, loss=loss, attempt=attempt, time=time.time())), file=log)
+                save_now = app.step % save_every == 0 or app.step == total_steps
+                if pending is not None and (save_now or pending[0].done()):
+                    commit_when_written(*pending, ckpt_dir, keep)
+                    pending = None
+                if save_now:
+                    pending = (dcp.async_save({"app": app}, checkpoint_id=staging_dir(ckpt_dir, app.step),
+                                              process_group=save_group), app.step)
+                if app.step == total_steps:
+                    break
+            else:  # the epoch is over: the next one, in a new order
                 app.epoch += 1
-                app.loader.sampler.set_epoch(app.epoch)
-                batches = iter(app.loader)
-                continue
-            loss = train_step(app, x, y, device, seed)
-            losses[app.step] = loss
-            log.write(json.dumps({"step": app.step, "loss": loss, "attempt": attempt, "time": time.time()}) + "\n")
-            log.flush()
-            save_now = app.step % save_every == 0 or app.step == total_steps
-            if pending is not None and (save_now or pending[0].done()):
-                commit_when_written(pending, ckpt_dir, keep)
-                pending = None
-            if save_now and async_save:
-                staging = staging_dir(ckpt_dir, app.step)
-                pending = (dcp.async_save({"app": app}, checkpoint_id=staging, process_group=save_group), app.step)
-            elif save_now:
-                dcp.save({"app": app}, checkpoint_id=staging_dir(ckpt_dir, app.step))  # every rank's shard written
-                if rank == 0:
-                    commit(ckpt_dir, app.step, keep)
-        if pending is not None:
-            commit_when_written(pending, ckpt_dir, keep)
-    dist.barrier()
+    if pending is not None:
+        commit_when_written(*pending, ckpt_dir, keep)
     params = {k: v.full_tensor().cpu() for k, v in app.model.state_dict().items()}
     return {"rank": rank, "attempt": attempt, "resumed_from": resumed_from, "losses": losses, "params": params,
-            "world_size": dist.get_world_size(), "device": device.type, "epoch": app.epoch,
-            "loader": app.loader.state_dict(), "steps_per_epoch": len(app.loader)}
+            "world_size": dist.get_world_size(), "device": device.type, "loader": app.loader.state_dict(),
+            "steps_per_epoch": len(app.loader)}
 
 
 def train(ckpt_dir, **options):
-    """The worker, as torchrun or helpers.launch runs it on every rank: the process group, the training in a
-    function whose torch objects are all freed when it returns, then gc and destroy: a clean exit every time."""
-    init_distributed()
+    """The worker: every torch object lives in train_from_checkpoint and is freed before the group is destroyed."""
+    device = init_distributed()
     try:
-        return train_from_checkpoint(ckpt_dir, **options)
+        return train_from_checkpoint(ckpt_dir, device, **options)
     finally:
         gc.collect()
         dist.destroy_process_group()
@@ -239,29 +200,23 @@ def train(ckpt_dir, **options):
 
 @record  # under torchrun an uncaught exception goes to its error file, with its traceback
 def main():
-    parser = argparse.ArgumentParser(description="DCP save and resume: checkpoint every --save-every steps; the same "
-                                     "command again, at any --nproc-per-node, resumes from the newest committed "
-                                     "checkpoint. Under torchrun --max-restarts=N each restart resumes the same way.")
+    parser = argparse.ArgumentParser(description="FSDP2 training, saved with DCP every --save-every steps; run again "
+                                     "(at any --nproc-per-node) or restarted, it resumes from the newest checkpoint.")
     parser.add_argument("--ckpt-dir", default="checkpoints", help="committed checkpoints; every node must reach it")
     parser.add_argument("--total-steps", type=int, default=200, help="train until this step, across resumes")
     parser.add_argument("--save-every", type=int, default=50)
-    parser.add_argument("--keep", type=int, default=2, help="committed checkpoints kept")
-    parser.add_argument("--async-save", action="store_true", help="dcp.async_save: write while training goes on")
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    parser.add_argument("--crash-at", type=int, help="plant a crash: a rank SIGKILLs itself before this step, on "
-                        "the first attempt only")
-    parser.add_argument("--crash-rank", type=int, default=1)
+    parser.add_argument("--crash-at", type=int, help="plant a crash: the last rank SIGKILLs itself after this "
+                        "step, on the first attempt only")
     args = parser.parse_args()
-    os.makedirs(args.ckpt_dir, exist_ok=True)
     result = train(**vars(args))
     if result["rank"] == 0:
-        losses = result["losses"]
         print(f"summary: world_size={result['world_size']} device={result['device']} attempt={result['attempt']} "
-              f"resumed_from={result['resumed_from']} trained={len(losses)} "
-              f"last_loss={losses[max(losses)] if losses else float('nan'):.4f} checkpoint={latest(args.ckpt_dir)}",
-              flush=True)
+              f"resumed_from={result['resumed_from']} trained={len(result['losses'])} "
+              f"last_loss={result['losses'].get(args.total_steps, float('nan')):.4f} "
+              f"checkpoint={latest(args.ckpt_dir)}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -29,7 +29,7 @@ def test_commit_publishes_and_latest_finds_it(tmp_path):
     save_step(tmp_path, 10, 1.0)
     assert recipe.latest(tmp_path) is None, "a staged checkpoint is invisible until committed"
     recipe.commit(tmp_path, 10)
-    assert recipe.latest(tmp_path) == recipe.step_dir(tmp_path, 10)
+    assert recipe.latest(tmp_path) == tmp_path / "step_00000010"
     assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 1.0))
 
 
@@ -40,7 +40,7 @@ def test_an_unfinished_save_is_never_latest(tmp_path):
     (recipe.staging_dir(tmp_path, 6) / ".metadata").unlink()  # as if a writer died before the save finished
     with pytest.raises(FileNotFoundError):
         recipe.commit(tmp_path, 6)
-    assert recipe.latest(tmp_path) == recipe.step_dir(tmp_path, 5)
+    assert recipe.latest(tmp_path) == tmp_path / "step_00000005"
     assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 5.0))
 
 

@@ -72,10 +72,10 @@ def test_checkpoint_costs_runs_on_two_ranks(tmp_path):
     assert all(list(p.iterdir()) == [] for p in tmp_path.iterdir())
 
 
-def _linear_state(width):
+def _linear_state(width, device):
     # each rank holds its own weight under one key per rank: the files hold both
     rank = dist.get_rank()
-    return {f"w{rank}": torch.full((width, width), float(rank))}
+    return {f"w{rank}": torch.full((width, width), float(rank), device=device)}
 
 
 def test_checkpoint_layout_lists_chunks_files_and_counts_every_tensor_once(tmp_path):

@@ -25,11 +25,11 @@ SIZE = dict(d_model=32, n_layers=1)
 def _load_and_predict(folder):
     device = recipe.init_distributed()
     try:
-        app, _ = recipe.build(**SIZE)
+        app = recipe.build(device, **SIZE)
         dcp.load({"app": app}, checkpoint_id=folder)
         app.model.eval()
         with torch.no_grad():
-            logits = app.model(recipe.ByteWindows()[0][0][None].to(device)).cpu()
+            logits = app.model(recipe.byte_windows()[0][0][None].to(device)).cpu()
         params = {k: v.full_tensor().cpu() for k, v in app.model.state_dict().items()}
         return {"params": params, "logits": logits, "step": app.step, "loader": app.loader.state_dict()}
     finally:
@@ -39,9 +39,9 @@ def _load_and_predict(folder):
 
 def _save_with_gpu_era_keys(folder):
     # What the notebook's GPU run used to write: the app state plus per-rank RNG states, a CUDA one among them.
-    recipe.init_distributed()
+    device = recipe.init_distributed()
     try:
-        app, _ = recipe.build(**SIZE)
+        app = recipe.build(device, **SIZE)
         state = app.state_dict()
         state[f"rank{dist.get_rank()}"] = {"torch_rng": torch.get_rng_state(),
                                            "cuda_rng": torch.zeros(16, dtype=torch.uint8)}

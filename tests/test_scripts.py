@@ -23,7 +23,7 @@ from helpers.paths import SCRIPTS
 SMOKE_ARGS: dict[str, list[str]] = {
     "cluster_ddp.py": ["--steps", "6", "--batch", "16", "--hidden", "8", "--save-every", "3"],
     "collectives.py": ["--elements-per-rank", "1000"],
-    "dcp_resume.py": ["--total-steps=4", "--save-every=2", "--async-save", "--d-model=32", "--n-layers=1"],
+    "dcp_resume.py": ["--total-steps=4", "--save-every=2", "--d-model=32", "--n-layers=1"],
     "hello_distributed.py": [],
     "rpc_parameter_server.py": ["--steps", "10", "--hidden", "32", "--depth", "1", "--samples", "500"],
     "train_amp.py": ["--steps", "4", "--batch", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2"],

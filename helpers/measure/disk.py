@@ -8,8 +8,8 @@ off, or a cache answering). Fixed costs (planning, metadata, the collectives) do
 measured must be large (hundreds of MB on a GPU) for the ratio to say anything about the writing.
 
 `checkpoint_costs` is the harness a notebook launches on every rank: it owns the process group and the timing
-loop, and takes the plain recipe (`make_state`, which builds the model, optimizer and the Stateful app state) from
-outside, so the recipe stays free of measuring code. Byte counting of local shards is `helpers.measure.memory`'s.
+loop, and takes the plain recipe (`make_state(device)`, which builds the model, optimizer and the Stateful app
+state on this rank's device) from outside, so the recipe stays free of measuring code. Byte counting of local shards is `helpers.measure.memory`'s.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ OPS = ("disk write + fsync", "dcp.save", "async_save (blocking)", "async_save (u
 
 
 def checkpoint_costs(make_state, root: str, repeats: int = 3) -> dict:
-    """Launch on every rank: seconds of each of `OPS` per repeat for the state `make_state()` builds.
+    """Launch on every rank: seconds of each of `OPS` per repeat for the state `make_state(device)` builds.
 
     The process group is "cpu:gloo,cuda:nccl" on GPUs (DCP's collectives on the CPU side, training's on NCCL)
     with `device_id`, else gloo. async_save gets its own gloo group: its collectives run in a background thread and
@@ -103,7 +103,7 @@ def _costs(make_state, device, root: Path, repeats: int) -> dict:
     from helpers.measure.timing import timed
 
     rank = dist.get_rank()
-    state = make_state()
+    state = make_state(device)
     async_group = dist.new_group(backend="gloo")
     nbytes = state_bytes(state)
     times = {op: [] for op in OPS}
