@@ -61,3 +61,13 @@ def test_whole_parameters_stack_on_top_of_the_state():
     rows = [{**r, "whole_parameters": 100} if r["strategy"] == "FSDP" else r for r in _rows()]
     fig = fsdp_plots.state_bytes_bars(rows, {1: 1600, 2: 800}, unit=1, unit_name="B")
     assert len(fig.axes[0].patches) == 4 * 3 + 2
+
+
+def test_anatomy_table_shows_each_ranks_local_shape_beside_the_global_one():
+    rank = {"rank": 0, "class": "FSDPNet", "is_original_class": True, "is_FSDPModule": True,
+            "moments": {"after fully_shard": ("DTensor", (5, 4), "(Shard(dim=0),)")},
+            "params": {"w": ("DTensor", (5, 4), (3, 4), "(Shard(dim=0),)")}}
+    text = fsdp_plots.anatomy_table([rank, {**rank, "rank": 1, "params": {"w": ("DTensor", (5, 4), (2, 4), "")}}],
+                                    {"w": (5, 4)}, ["w"])
+    assert "FSDPNet" in text and "rank 1 local" in text
+    assert text.splitlines()[-1].split() == ["w", "(5,", "4)", "(3,", "4)", "(2,", "4)"]

@@ -4,7 +4,7 @@ Why a benchmark here and not in the notebook: with one GPU FSDP2 shards over a m
 "all-gather" is a copy, and each block's bf16 weights are cast and gathered before its forward and, resharded, again
 before its backward; plain `torch.autocast` on the unwrapped model casts per op instead. The timing loop, its
 warm-up and the repeats are machinery; the knobs (`reshard_after_forward=False`, explicit prefetch, `torch.compile`
-per block before `fully_shard`) are what notebook 03 teaches. Timings are shown with their spread and judged by
+per block before `fully_shard`) are what notebooks 03 and 03b teach. Timings are shown with their spread and judged by
 nothing: they depend on the GPU, the model size and the load.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ CONFIGS = {"bf16 autocast, no FSDP": None, "FSDP2 bf16 policy, defaults": {},
 def bf16_step_times(device, recipe, per_rank_batch: int, repeats: int) -> dict:
     """Seconds per training step for each of `CONFIGS` (a list of `repeats`), or the error a knob raised.
 
-    `recipe` is notebook 03's namespace: `model()`, `apply_fsdp(model, mesh, **kw)`, `set_prefetch(model)`,
+    `recipe` is notebook 03b's namespace: `model()`, `apply_fsdp(model, mesh, **kw)`, `set_prefetch(model)`,
     `loss(logits, y)`, `batch(n, generator=g)`. Runs in a worker with a GPU.
     """
     import torch.distributed as dist

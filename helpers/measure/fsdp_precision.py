@@ -1,6 +1,6 @@
 """What a `MixedPrecisionPolicy` changes, seen from inside one rank: dtypes, bytes on the wire, state, activations.
 
-Why a module: notebook 03 claims that a bf16 `param_dtype` all-gathers and computes in bf16 while the sharded
+Why a module: notebook 03b claims that a bf16 `param_dtype` all-gathers and computes in bf16 while the sharded
 parameters, their gradients and Adam's state stay fp32 (so the persistent bytes per rank do not change), that
 `reduce_dtype=torch.float32` reduce-scatters in fp32, and that a loss taken on `logits.float()` loses nothing
 against float64. Checking that takes a forward hook on one layer, a collective log and an activation meter around

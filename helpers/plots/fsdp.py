@@ -1,4 +1,5 @@
-"""Figures of notebook 03 (FSDP2, DeviceMesh, DTensor): memory per rank, collectives per step, the loss curve.
+"""Figures of notebooks 03 and 03b (FSDP2, DeviceMesh, DTensor): memory per rank, collectives per step, the loss
+curve, and the tables their cells print.
 
 Each function takes what the workers measured (plain dicts) and the formula to draw beside it; none measures.
 """
@@ -98,6 +99,20 @@ def loss_curve(losses: list[float], levels: dict[str, float] | None = None, wind
 
 
 # Tables: the notebook prints what the workers measured; these lay the rows out so its cells show only the call.
+
+def anatomy_table(ranks: list[dict], shapes: dict[str, tuple], names: list[str]) -> str:
+    """What `fully_shard` made of the model: its class, one parameter's type, shape and placements at each moment
+    of a step (rank 0), and the local shape of each of `names` on every rank beside the global one (`ranks` as
+    `fsdp_anatomy` returns them)."""
+    a0 = ranks[0]
+    lines = [f"class after fully_shard: {a0['class']} (isinstance of the original class: "
+             f"{a0['is_original_class']}, FSDPModule: {a0['is_FSDPModule']})"]
+    lines += [f"{moment:<48} {kind:<8} {shape} {placement}" for moment, (kind, shape, placement) in a0["moments"].items()]
+    lines.append(f"\n{'parameter':<32} {'global':<12} " + " ".join(f"rank {a['rank']} local" for a in ranks))
+    lines += [f"{name:<32} {str(shapes[name]):<12} " + " ".join(f"{str(a['params'][name][2]):<12}" for a in ranks)
+              for name in names]
+    return "\n".join(lines)
+
 
 def reference_table(results: dict[str, dict], attention_width: int) -> str:
     """One row per FSDP variant: the largest loss gap to the single-process reference, the parameters' gap
