@@ -87,8 +87,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (to watch elasticity)")
-    parser.add_argument("--crash-at", type=int, default=-1, help="rank --crash-rank raises at this step, attempt 0")
-    parser.add_argument("--crash-rank", type=int, default=1)
+    parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 raises at this step, on attempt 0")
     args = parser.parse_args()
     out = Path(args.out)
     (out / "env").mkdir(parents=True, exist_ok=True)
@@ -105,7 +104,7 @@ def main():
             json.dumps({**seen, "pid": os.getpid(), "time": time.time()}))
         result = train(str(out / "ckpt"), str(out / "losses.jsonl"), device, steps=args.steps, batch=args.batch,
                        hidden=args.hidden, save_every=args.save_every, step_sleep=args.step_sleep,
-                       crash_at=args.crash_at, crash_rank=args.crash_rank)
+                       crash_at=args.crash_at)
         if rank == 0:
             print(f"summary: world={dist.get_world_size()} resumed_from={result['start']} steps={args.steps} "
                   f"loss={result['loss']:.6f} checksum={result['checksum']:.12f}", flush=True)

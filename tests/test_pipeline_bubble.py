@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, ir_report, measured_idle_fraction,
+from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, bubble_table, ir_report, measured_idle_fraction,
                                       orders_from_ir, orders_from_log, peaks_table, replay, step_seconds,
                                       summarize_runs)
 
@@ -115,3 +115,12 @@ def test_peaks_table_one_line_per_m_with_a_dash_where_a_schedule_did_not_run():
     assert lines[1].split() == ["m", "gpipe", "s=0", "1f1b", "s=0", "gpipe", "s=1", "1f1b", "s=1"]
     assert lines[2].split() == ["1", "1,000", "-", "2,000", "-"]
     assert lines[3].split() == ["2", "2,000", "2,000", "4,000", "2,000"]
+
+
+def test_bubble_table_one_line_per_run_counted_formula_measured():
+    rows = [{"schedule": "gpipe", "m": 1, "p": 2, "counted": 0.5, "formula": 0.5, "measured": 0.61234},
+            {"schedule": "interleaved", "m": 16, "p": 2, "counted": 1 / 33, "formula": 1 / 33, "measured": 0.1}]
+    lines = bubble_table(rows).splitlines()
+    assert lines[0].startswith("p = 2 ranks;") and len(lines) == 3
+    assert lines[1].split() == ["gpipe", "m", "=", "1:", "0.5000", "|", "0.5000", "|", "0.612"]
+    assert lines[2].split() == ["interleaved", "m", "=", "16:", "0.0303", "|", "0.0303", "|", "0.100"]

@@ -8,10 +8,13 @@ step's checkpoint (if any) was saved, so a line with `"saved": true` names a com
 
 A stretch begins at each start of rank 0: the steps logged from then until the next start of rank 0 are what that
 generation of workers trained.
+
+The `*_table`/`*_report` functions turn these records (and the agents' logs) into the lines notebook 09 prints.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 
@@ -63,3 +66,37 @@ def saved_past(out, world: int, steps_after: int = 2):
         return bool(saved) and max(line["step"] for line in lines) >= saved[0] + steps_after
 
     return reached
+
+
+def environment_table(starts: list[dict], columns: list[str]) -> str:
+    """What torchrun told each worker (`worker_starts` records) as a table: one line per start, ordered by RANK."""
+    width = {c: max(len(c), 10) for c in columns}
+    lines = ["  ".join(f"{c:>{width[c]}}" for c in columns)]
+    for start in sorted(starts, key=lambda s: int(s["RANK"])):
+        lines.append("  ".join(f"{str(start[c]):>{width[c]}}" for c in columns))
+    return "\n".join(lines)
+
+
+def stretches_report(runs: list[dict]) -> str:
+    """One line per start of rank 0 (`stretches`): the world size and restart count torchrun gave it, the
+    checkpoint it should have resumed from and the steps it trained."""
+    return "\n".join(
+        f"start {i}: world size {run['world']}, restart count {run['restart_count']}, rank 0 on group "
+        f"{run['group_rank']}; last checkpoint saved before it: step {run['last_saved_before']}; trained steps "
+        f"{min(run['losses'], default='-')}..{max(run['losses'], default='-')}" for i, run in enumerate(runs, 1))
+
+
+NOTABLE = r"new nodes|Worker group FAILED|by peer|^summary:|Done waiting"
+
+
+def agents_report(nodes, notable: str = NOTABLE) -> str:
+    """What each agent (`helpers.launcher.agents.Agent`) logged that tells the story of an elastic run: every
+    completed rendezvous (needs LOGLEVEL=INFO), then its lines matching `notable`, without torchrun's log prefix."""
+    lines = []
+    for node in nodes:
+        lines += [f"  {node.name} {r['time']}: rendezvous complete, group_rank={r['group_rank']} group_world_size="
+                  f"{r['group_world_size']} restart_count={r['restart_count']} global_ranks={r['global_ranks']} "
+                  f"of world {r['global_world_sizes']}" for r in node.rendezvous()]
+        lines += [f"  {node.name} | {line.split('] ', 1)[-1][:140]}" for line in node.output.splitlines()
+                  if re.search(notable, line)]
+    return "\n".join(lines)

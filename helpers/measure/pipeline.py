@@ -163,6 +163,16 @@ def ir_report(row: dict) -> str:
     return "\n".join(lines)
 
 
+def bubble_table(rows: list[dict]) -> str:
+    """Each (schedule, m)'s idle fraction of a step three ways: counted from the order the schedule executed,
+    the formula (p - 1)/(v·m + p - 1), and measured from the recorded times. rows: `summarize_runs` rows."""
+    lines = [f"p = {rows[0]['p']} ranks; idle fraction of a step (counted from the executed order | formula | "
+             "measured here)"]
+    lines += [f"{row['schedule']:<12} m = {row['m']:>2}: {row['counted']:.4f} | {row['formula']:.4f} | "
+              f"{row['measured']:.3f}" for row in rows]
+    return "\n".join(lines)
+
+
 def peaks_table(rows: list[dict], schedules: tuple[str, ...]) -> str:
     """Peak bytes saved for backward per stage (rank s) and schedule, one line per m, '-' where a schedule did
     not run at that m. rows: `summarize_runs` rows."""
