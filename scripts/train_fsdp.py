@@ -67,12 +67,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> nn.Module:
 def accumulate_and_clip(model: nn.Module, micro_batches: list, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over one optimizer step's micro-batches, the gradients reduce-scattered after the last
     one only; then clip. Returns the summed loss and the total gradient norm (a DTensor under FSDP)."""
+    losses = []
     for i, (x, y) in enumerate(micro_batches):
         model.set_requires_gradient_sync(i == len(micro_batches) - 1)   # FSDP1's and DDP's no_sync() on the others
         loss = cross_entropy(model(x), y) / len(micro_batches)
         loss.backward()
-        total = loss.detach() if i == 0 else total + loss.detach()
-    return total, torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # shard norms, one all-reduce
+        losses.append(loss.detach())
+    return sum(losses), torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # shard norms, one all-reduce
 
 
 def set_prefetch(model: nn.Module) -> None:
