@@ -297,3 +297,17 @@ def test_traced_step_makes_one_all_reduce_per_planned_bucket_and_measures_its_ov
         m = r["overlap"]
         assert m["comm_us"] > 0 and m["compute_us"] > 0 and 0 <= m["overlap_us"] <= min(m["comm_us"], m["compute_us"])
         assert m["exposed_comm_us"] == pytest.approx(m["comm_us"] - m["overlap_us"])
+
+
+def test_demo_ranks_decides_where_notebooks_02_and_02b_run(capsys):
+    on_gpus = measure_ddp.demo_ranks(2, {"gpus": 2, "cores": 16}, 64, "gpu")
+    assert on_gpus == (True, {}, "2 GPU ranks, NCCL")
+    one_gpu = measure_ddp.demo_ranks(2, {"gpus": 1, "cores": 16}, 64, "cpu")  # more ranks than GPUs: CPU, GPU hidden
+    assert one_gpu.gpu_ranks is False and one_gpu.env == {"CUDA_VISIBLE_DEVICES": ""}
+    assert one_gpu.where.startswith("2 CPU ranks, gloo (this machine has 1 GPU")
+    crowded = measure_ddp.demo_ranks(4, {"gpus": 0, "cores": 2}, 64, "smoke")
+    assert crowded.env == {} and "WARNING: 4 CPU ranks on 2 cores" in capsys.readouterr().out
+    for world_size, batch in ((1, 64), (3, 64)):  # one rank compares nothing; 64 does not split over 3
+        with pytest.raises(ValueError, match="split GLOBAL_BATCH"):
+            measure_ddp.demo_ranks(world_size, {"gpus": 0, "cores": 2}, batch, "cpu")
+    assert set(measure_ddp.NOTEBOOK_SIZES) == {"smoke", "cpu", "gpu"}

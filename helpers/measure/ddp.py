@@ -16,6 +16,7 @@ import gc
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -231,6 +232,38 @@ def cpu_ranks_env(world_size: int, gpus: int) -> dict[str, str]:
     Ranks that each have a GPU keep them (an empty dict).
     """
     return {"CUDA_VISIBLE_DEVICES": ""} if 0 < gpus < world_size else {}
+
+
+# The sizes notebooks 02 and 02b share, by SIZE: (HIDDEN, DEPTH) of the DigitsMLP trained to accuracy, (BIG_HIDDEN,
+# BIG_DEPTH) of the one for buckets, ZeRO and scaling (at "gpu" size its gradients exceed DDP's 25 MB default
+# bucket), EPOCHS of training, TIMED_STEPS behind every median time.
+NOTEBOOK_SIZES = {"smoke": (256, 2, 512, 3, 4, 5), "cpu": (256, 2, 768, 3, 5, 8), "gpu": (1024, 3, 2048, 4, 10, 20)}
+
+
+class DemoRanks(NamedTuple):
+    """Where a DDP notebook's multi-rank demos run: `gpu_ranks` (a GPU per rank: NCCL), the workers' `env`
+    (GPUs hidden from CPU ranks, see `cpu_ranks_env`) and `where`, the sentence the verdicts print."""
+    gpu_ranks: bool
+    env: dict
+    where: str
+
+
+def demo_ranks(world_size: int, facts: dict, global_batch: int, size: str) -> DemoRanks:
+    """Decide, print and check where notebooks 02 and 02b run their ranks (the same decision in both).
+
+    Why it refuses fewer than 2 ranks or a batch they cannot split: every demo compares several ranks that share
+    one global batch with one process that takes it whole."""
+    if world_size < 2 or global_batch % world_size:
+        raise ValueError(f"the DDP notebooks compare 2+ ranks that split GLOBAL_BATCH={global_batch} evenly; "
+                         f"world size {world_size}")
+    gpu_ranks = facts["gpus"] >= world_size
+    where = f"{world_size} GPU ranks, NCCL" if gpu_ranks else f"{world_size} CPU ranks, gloo" + (
+        f" (this machine has {facts['gpus']} GPU: the demos need more ranks than that)" if facts["gpus"] else "")
+    print(f"\nworld size {world_size}, {size} sizes: {where}")
+    if not gpu_ranks and world_size > facts["cores"]:
+        print(f"WARNING: {world_size} CPU ranks on {facts['cores']} cores: every time below measures the scheduler "
+              "as well")
+    return DemoRanks(gpu_ranks, cpu_ranks_env(world_size, facts["gpus"]), where)
 
 
 # ----------------------------------------------------------------------------------------------- timing DDP steps
