@@ -1,0 +1,234 @@
+"""Run notebooks (every cell), the tests or the launcher benchmark within a time budget, saving after each step.
+
+Why this exists: the GPU machine that issue 13 needs is lent for short calls (10 minutes a command, 30 minutes a
+session) and a command stopped at its limit brings back only what it had already written. A notebook that hangs on
+NCCL must not take the other notebooks' results with it, and a first run on a new machine should list every failing
+cell, not stop at the first. So each notebook runs in a child process with what is left of the budget (its whole
+process tree, kernel and workers included, is stopped at the deadline), every cell runs even after an error, and
+after each step the output folder (at most 8 files: what a device call brings back) is rewritten:
+  {mode}.tar.gz   the executed notebooks (NAME.smoke.ipynb / NAME.full.ipynb) and the output of each one's run
+  summary.json    one record per step: status, seconds, failing cells, headline figures
+  figures.md      table rows for docs/measurements.md: date, device, torch, command, the headline figures
+  tests.log, bench.log
+Nothing here is GPU-specific: on a CPU it runs the same way (that is how it is tested).
+
+usage: python -m helpers.budget_run {smoke|full} [NAME ...] [--budget S] [--out DIR]
+       python -m helpers.budget_run {tests|bench} [--budget S] [--out DIR] [-- PYTEST OR BENCHMARK ARGS]
+On the GPU machine, through ../shared/gpu's on-device.sh (see docs/measurements.md):
+  bash .gpu/on-device.sh python3 -m helpers.budget_run smoke --budget 540
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from helpers.paths import NOTEBOOKS, REPO_ROOT
+
+MODES = ("smoke", "full", "tests", "bench")
+FIGURES_HEADER = "| date | device | torch | command | figures |\n|---|---|---|---|---|\n"
+
+
+def device_facts() -> dict:
+    """Torch, CUDA, NCCL and device name, asked in a child so this process never holds a CUDA context."""
+    code = ("import json, torch\n"
+            "gpu = torch.cuda.is_available()\n"
+            "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+            "  'device': torch.cuda.get_device_name(0) if gpu else 'CPU only',\n"
+            "  'gpus': torch.cuda.device_count() if gpu else 0,\n"
+            "  'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if gpu else None}))\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        return {"torch": "?", "cuda": None, "device": f"unknown ({type(exc).__name__})", "gpus": 0, "nccl": None}
+
+
+def execute_all_cells(path: Path, smoke: bool, out: Path) -> None:
+    """Execute one notebook with papermill's parameters, every cell even after errors; write it to `out`.
+
+    Runs in the child (`_one`); the cell timeout is the parent's business (it stops the whole tree). Stopped by
+    SIGTERM at the budget, it still writes what ran, and the cell that was running shows as such (`failing_cells`).
+    """
+    import signal
+
+    import nbformat
+    from nbclient import NotebookClient
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    nb = parameterize_notebook(load_notebook_node(str(path)), {"SMOKE": smoke}, kernel_name="python3")
+    client = NotebookClient(nb, timeout=None, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(path.parent)}})
+
+    def stopped(signum, frame):
+        nbformat.write(nb, str(out))
+        raise SystemExit(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stopped)
+    try:
+        client.execute()
+    finally:
+        nbformat.write(nb, str(out))
+
+
+def failing_cells(notebook: dict) -> list[dict]:
+    """Each error output, and a cell left running: the cell's index and id, what went wrong."""
+    found = []
+    for index, cell in enumerate(notebook.get("cells", [])):
+        timing = cell.get("metadata", {}).get("execution", {})
+        if "iopub.execute_input" in timing and "shell.execute_reply" not in timing:
+            found.append({"cell": index, "id": cell.get("id"), "ename": "Stopped",
+                          "evalue": "still running when the budget ran out"})
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                found.append({"cell": index, "id": cell.get("id"), "ename": output["ename"],
+                              "evalue": output["evalue"][:400].replace("\n", " ")})
+    return found
+
+
+def run_bounded(argv: list[str], seconds: float, log: Path | None = None) -> tuple[str, float]:
+    """Run a child with a deadline; at the deadline stop it and everything below it. Returns (status, seconds)."""
+    from helpers.launcher.sessions import stop_sessions
+
+    start = time.monotonic()
+    stream = open(log, "w") if log else subprocess.DEVNULL
+    try:
+        child = subprocess.Popen(argv, stdout=stream, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                 start_new_session=True)
+        try:
+            rc = child.wait(timeout=max(1.0, seconds))
+            status = "ran" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            stop_sessions([child.pid], lambda pid, t: _waited(child, t), grace=5.0)
+            status = f"stopped at the budget ({seconds:.0f} s)"
+    finally:
+        if log:
+            stream.close()
+    return status, time.monotonic() - start
+
+
+def _waited(child: subprocess.Popen, timeout: float) -> bool:
+    try:
+        child.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+class Session:
+    """The output folder of one call: summary.json and figures.md grow, each mode's archive is rewritten."""
+
+    def __init__(self, out: Path, mode: str, command: str):
+        self.out, self.mode, self.command = out, mode, command
+        out.mkdir(parents=True, exist_ok=True)
+        self.facts = device_facts()
+        self.executed = Path(tempfile.mkdtemp(prefix=f"budget-run-{mode}-"))
+        summary = out / "summary.json"
+        self.records = json.loads(summary.read_text()) if summary.exists() else []
+
+    def record(self, step: str, status: str, seconds: float, cells: list | None = None,
+               figures: list | None = None) -> None:
+        self.records.append({"mode": self.mode, "step": step, "status": status, "seconds": round(seconds, 1),
+                             "failing_cells": cells or [], "figures": figures or [], **self.facts})
+        (self.out / "summary.json").write_text(json.dumps(self.records, indent=1))
+        shown = "; ".join(f"{f['name']} = {f['value']:.4g} {f['unit']}".rstrip() for f in figures or [])
+        if cells:
+            shown = (shown + "; " if shown else "") + f"{len(cells)} failing cells"
+        figures_md = self.out / "figures.md"
+        if not figures_md.exists():
+            figures_md.write_text(FIGURES_HEADER)
+        device = f"{self.facts['gpus']}x {self.facts['device']}" if self.facts["gpus"] else self.facts["device"]
+        torch_version = self.facts["torch"] + (f", CUDA {self.facts['cuda']}, NCCL {self.facts['nccl']}"
+                                               if self.facts["gpus"] else "")
+        with figures_md.open("a") as f:
+            f.write(f"| {datetime.date.today()} | {device} | {torch_version} | `{self.command} {step}` | "
+                    f"{step}: {status}, {seconds:.0f} s{'; ' + shown if shown else ''} |\n")
+        print(f"{step}: {status}, {seconds:.1f} s{'; ' + shown if shown else ''}", flush=True)
+        for cell in cells or []:
+            print(f"   cell {cell['cell']} ({cell['id']}): {cell['ename']}: {cell['evalue'][:200]}", flush=True)
+
+    def archive(self) -> None:
+        with tarfile.open(self.out / f"{self.mode}.tar.gz", "w:gz") as tar:
+            tar.add(self.executed, arcname=f"{self.mode}-executed")
+
+
+def run_notebooks(session: Session, paths: list[Path], deadline: float) -> bool:
+    """Each notebook in turn with the budget left; True when every one ran without a failing cell."""
+    from helpers.measure.headline import headlines_of
+
+    ok = True
+    for path in paths:
+        left = deadline - time.monotonic()
+        if left < 10:
+            session.record(path.stem, "not started (budget spent)", 0.0)
+            ok = False
+            continue
+        out = session.executed / f"{path.stem}.{session.mode}.ipynb"
+        out.unlink(missing_ok=True)
+        status, seconds = run_bounded([sys.executable, "-m", "helpers.budget_run", "_one", str(path),
+                                       session.mode, str(out)], left, log=out.with_suffix(".log"))
+        executed = json.loads(out.read_text()) if out.exists() else {}
+        cells = failing_cells(executed)
+        if not out.exists() and status == "ran":
+            status = "no executed notebook written"
+        session.record(path.stem, status, seconds, cells, headlines_of(executed))
+        session.archive()
+        ok = ok and status == "ran" and not cells
+    return ok
+
+
+def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options, and the mode's own arguments: notebook names, or what follows `--` for pytest or the benchmark
+    (split off first, so that pytest's `-m EXPR` or `-k EXPR` never meets this parser)."""
+    parser = argparse.ArgumentParser(prog="python -m helpers.budget_run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("names", nargs="*", help="notebook name substrings (smoke, full)")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for this whole command (default 540)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
+    own, passed_on = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = parser.parse_args(own)
+    if args.names and args.mode in ("tests", "bench"):
+        parser.error(f"{args.mode} takes its arguments after --, e.g. {args.mode} -- {' '.join(args.names)}")
+    if passed_on and args.mode in ("smoke", "full"):
+        parser.error(f"{args.mode} takes notebook names, not arguments after --")
+    return args, args.names + passed_on
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_one"]:  # the child that executes one notebook
+        execute_all_cells(Path(argv[1]), argv[2] == "smoke", Path(argv[3]))
+        return 0
+    args, rest = parse_arguments(argv)
+    deadline = time.monotonic() + args.budget
+    session = Session(args.out, args.mode, f"python -m helpers.budget_run {args.mode}")
+    if args.mode in ("smoke", "full"):
+        from helpers.run_notebooks import notebook_paths
+
+        paths = [p for p in notebook_paths() if not rest or any(n in p.name for n in rest)]
+        if not paths:
+            raise SystemExit(f"budget_run: no notebook in {NOTEBOOKS} matches {rest}")
+        return 0 if run_notebooks(session, paths, deadline) else 1
+    if args.mode == "tests":
+        pytest_args = rest or ["-m", "not browser and not notebook"]
+        argv_child = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *pytest_args]
+        log = args.out / "tests.log"
+    else:
+        argv_child = [sys.executable, str(REPO_ROOT / "benchmarks" / "launch_overhead.py"), *rest]
+        log = args.out / "bench.log"
+    status, seconds = run_bounded(argv_child, deadline - time.monotonic(), log=log)
+    tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+    session.record(" ".join(rest) or args.mode, status + (f" ({tail[0][:200]})" if tail else ""), seconds)
+    return 0 if status == "ran" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""helpers.budget_run: every cell runs after an error, a notebook that hangs is stopped at the budget with what it
+printed kept and nothing of it left running, and the output folder holds what a device call can bring back."""
+from __future__ import annotations
+
+import json
+import tarfile
+import time
+
+import nbformat
+import psutil
+import pytest
+
+from helpers.budget_run import Session, parse_arguments, run_notebooks
+
+
+def write_notebook(path, *sources):
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell("SMOKE = False", metadata={"tags": ["parameters"]})]
+    nb.cells += [nbformat.v4.new_code_cell(src) for src in sources]
+    nbformat.write(nb, str(path))
+    return path
+
+
+def index_of(cells: list, text: str) -> int:
+    """The cell whose source holds `text` (papermill inserts its parameters cell, so positions shift)."""
+    return next(i for i, c in enumerate(cells) if text in "".join(c["source"]))
+
+
+def executed(session: Session, name: str) -> dict:
+    with tarfile.open(session.out / f"{session.mode}.tar.gz") as tar:
+        return json.load(tar.extractfile(f"{session.mode}-executed/{name}.{session.mode}.ipynb"))
+
+
+@pytest.mark.timeout(180)
+def test_cells_after_an_error_still_run_and_figures_are_kept(tmp_path):
+    nb = write_notebook(
+        tmp_path / "01_errors.ipynb",
+        "print('smoke is', SMOKE)",
+        "raise ValueError('cell two fails')",
+        "from helpers.measure.headline import headline\nheadline('answer', 42.0, 'units')",
+    )
+    session = Session(tmp_path / "out", "smoke", "budget_run smoke")
+    assert run_notebooks(session, [nb], time.monotonic() + 150) is False
+    record = json.loads((session.out / "summary.json").read_text())[-1]
+    cells = executed(session, "01_errors")["cells"]
+    assert record["status"] == "ran"
+    assert [(c["cell"], c["ename"]) for c in record["failing_cells"]] == [(index_of(cells, "raise"), "ValueError")]
+    assert record["figures"] == [{"name": "answer", "value": 42.0, "unit": "units"}]
+    assert "smoke is True" in "".join(cells[index_of(cells, "print")]["outputs"][0]["text"])  # papermill's SMOKE
+    assert "answer = 42 units" in (session.out / "figures.md").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_a_hanging_notebook_is_stopped_at_the_budget_and_leaves_nothing_running(tmp_path):
+    nb = write_notebook(
+        tmp_path / "02_hangs.ipynb",
+        "import subprocess\nchild = subprocess.Popen(['sleep', '600'], start_new_session=True)\nprint('pid', child.pid)",
+        "import time\ntime.sleep(600)",
+        "print('never reached')",
+    )
+    later = write_notebook(tmp_path / "03_later.ipynb", "print('later')")
+    session = Session(tmp_path / "out", "full", "budget_run full")
+    started = time.monotonic()
+    assert run_notebooks(session, [nb, later], started + 25) is False
+    records = json.loads((session.out / "summary.json").read_text())
+    cells = executed(session, "02_hangs")["cells"]
+    assert records[0]["status"].startswith("stopped at the budget")
+    assert [(c["cell"], c["ename"]) for c in records[0]["failing_cells"]] == [(index_of(cells, "sleep(600)"),
+                                                                                 "Stopped")]
+    assert records[1]["status"] == "not started (budget spent)"
+    pid = int("".join(cells[index_of(cells, "Popen")]["outputs"][0]["text"]).split()[1])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert cells[index_of(cells, "never reached")].get("outputs") == []
+    assert sorted(p.name for p in session.out.iterdir()) == ["figures.md", "full.tar.gz", "summary.json"]
+
+
+def test_arguments_after_the_separator_go_to_pytest_untouched():
+    args, rest = parse_arguments(["tests", "--budget", "60", "--", "-m", "not browser", "-k", "launch"])
+    assert (args.mode, args.budget, rest) == ("tests", 60.0, ["-m", "not browser", "-k", "launch"])
+    args, rest = parse_arguments(["full", "05", "03b", "--budget", "300", "--out", "/tmp/x"])
+    assert (args.mode, args.budget, str(args.out), rest) == ("full", 300.0, "/tmp/x", ["05", "03b"])
+    with pytest.raises(SystemExit):
+        parse_arguments(["tests", "tests/test_launch.py"])  # a pytest argument without -- is refused, not dropped
