@@ -254,6 +254,24 @@ def test_one_gpu_report_says_what_one_gpu_can_and_cannot_show():
     assert "measured: 20 us" in text and "measured: 0.8 x" in text
 
 
+def test_one_gpu_report_reads_real_sweep_records():
+    """The one-GPU cell's reading, fed with real `sweep_worker` results of the same shape (gloo on CPU here; on a
+    GPU machine `one_gpu_sweeps` runs NCCL at world size 1 on cuda:0, whose ceilings add the device copy)."""
+    from helpers.plots import collectives as plots
+
+    alone = helpers.launch(bench.sweep_worker, [1 << 10, 1 << 16], 1, 3, world_size=1, timeout=180, quiet=True)[0]
+    shared = helpers.launch(bench.sweep_worker, [1 << 10], 1, 3, collectives=("all_reduce",), ceilings=False,
+                            world_size=2, timeout=180, quiet=True)[0]
+    alone["ceilings"]["device_copy"] = alone["ceilings"]["memcpy"]  # what a CPU has in place of HBM
+    rows = bench.one_rank_rows(alone["records"], alone["ceilings"]["device_copy"])
+    assert [row["collective"] for row in rows] == list(bench.COLLECTIVES)
+    assert all(row["large"]["size_bytes"] == 1 << 16 and row["small"]["size_bytes"] == 1 << 10 for row in rows)
+    figures = bench.one_gpu_figures(alone, shared)
+    assert len(figures) == 4 and all(low <= value <= high for value, (low, high), _ in figures.values())
+    assert "cannot show" in bench.one_gpu_report(alone, shared, 2)
+    plots.one_rank(alone["records"], alone["ceilings"]["device_copy"])
+
+
 def test_detail_cost_worker_compares_checked_and_unchecked_groups():
     results = helpers.launch(bench.detail_cost_worker, 3, 5, world_size=2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
                              timeout=120, quiet=True)
