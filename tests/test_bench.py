@@ -272,6 +272,13 @@ def test_one_gpu_report_reads_real_sweep_records():
     plots.one_rank(alone["records"], alone["ceilings"]["device_copy"])
 
 
+def test_busbw_by_ranks_runs_the_sweep_at_each_world_size():
+    records = bench.busbw_by_ranks([1 << 12], (1, 2), collectives=("all_reduce", "all_gather"), warmup=1, repeats=2)
+    assert [(r["world_size"], r["collective"]) for r in records] == [
+        (1, "all_reduce"), (1, "all_gather"), (2, "all_reduce"), (2, "all_gather")]
+    assert all(r["checked"] and r["factor"] == bench.busbw_factor(r["collective"], r["world_size"]) for r in records)
+
+
 def test_detail_cost_worker_compares_checked_and_unchecked_groups():
     results = helpers.launch(bench.detail_cost_worker, 3, 5, world_size=2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
                              timeout=120, quiet=True)

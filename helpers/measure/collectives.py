@@ -306,6 +306,8 @@ def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectiv
 
     device = rank_device() if device is None else torch.device(device)
     backend = default_backend()
+    if device.type == "cuda":  # this rank's GPU is the current one: nothing of it lands on cuda:0 by default
+        torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     try:
         lead = ceilings and dist.get_rank() == 0
@@ -323,6 +325,20 @@ def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectiv
     finally:
         gc.collect()
         dist.destroy_process_group()
+
+
+def busbw_by_ranks(sizes: list[int], world_sizes, collectives=("all_reduce", "all_gather"), warmup: int = 5,
+                   repeats: int = 20) -> list[dict]:
+    """`sweep_worker` at each world size in turn (no ceilings), launched from the kernel: every record of every run.
+
+    Why: busbw is defined so that a bandwidth-bound collective's figure does not change with the number of ranks
+    (the factor takes out what n changes in the traffic); on NCCL ranks, one per GPU, this shows whether the links
+    bear that out. Each run's backend is the launcher's choice for its size (NCCL where every rank has a GPU).
+    """
+    from helpers.launcher import launch
+
+    return [r for n in world_sizes for r in launch(sweep_worker, sizes, warmup, repeats, collectives=tuple(collectives),
+                                                   ceilings=False, world_size=n, timeout=600)[0]["records"]]
 
 
 def one_gpu_sweeps(sizes: list[int], warmup: int = 5, repeats: int = 20, gloo_up_to: int = 256 << 20) -> tuple:
