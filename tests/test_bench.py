@@ -205,14 +205,78 @@ def test_reading_helpers_carry_the_spread_of_the_repeats():
     assert bandwidth == pytest.approx(1.0) and bw_low <= bandwidth <= bw_high and "2 ranks" in figures["context"]
 
 
-def test_one_gpu_report_says_what_one_gpu_cannot_show():
-    copy = {"name": "cuda memory copy", "kind": "bandwidth", "size_bytes": 1 << 30, "rate": 1e12, "median_s": 1e-3,
-            "q1_s": 1e-3, "q3_s": 1e-3, "times_s": [1e-3], "counts": "S/t"}
-    alone = {"records": [_record("all_reduce", 1024, [2e-5], factor=0.0, world_size=1, device="cuda",
-                                 backend="nccl")], "ceilings": {"device_copy": copy}}
-    shared = {"records": [_record("all_reduce", 1024, [1e-3], device="cuda")]}
+def _one_gpu_runs():
+    """Made-up results of `one_gpu_sweeps` as NCCL on one H100-like GPU would give them: in-place calls take 20 us
+    at any size (NCCL does nothing), out-of-place ones copy S at 800 GB/s, the device copies at 1000 GB/s."""
+    t = (1 << 30) / 1e12
+    copy = {"name": "cuda memory copy", "kind": "bandwidth", "size_bytes": 1 << 30, "rate": 1e12, "median_s": t,
+            "q1_s": t, "q3_s": t, "min_s": 0.9 * t, "max_s": 1.1 * t, "times_s": [t] * 3, "counts": "S/t"}
+    tcp = {"name": "loopback TCP", "kind": "bandwidth", "size_bytes": 1 << 26, "rate": 2e9, "median_s": 0.0336,
+           "q1_s": 0.0336, "q3_s": 0.0336, "times_s": [0.0336], "counts": "S/t"}
+    records = [_record(name, size, [2e-5] * 3 if name in bench.IN_PLACE else [size / 8e11] * 3,
+                       factor=bench.busbw_factor(name, 1), world_size=1, device="cuda", backend="nccl")
+               for name in bench.COLLECTIVES for size in (1024, 1 << 30)]
+    alone = {"records": records, "ceilings": {"device_copy": copy, "tcp": tcp}}
+    shared = {"records": [_record("all_reduce", 1024, [1e-3] * 3, device="cuda"),
+                          _record("all_reduce", 1 << 20, [2e-3] * 3, device="cuda")]}
+    return alone, shared
+
+
+def test_one_rank_rows_read_copies_against_the_device_copy_rate_and_in_place_calls_as_fixed_cost():
+    alone, _ = _one_gpu_runs()
+    copy = alone["ceilings"]["device_copy"]
+    # busbw cannot be read on one rank: 0 (factor 0), or a no-op broadcast "faster" than the GPU's memory
+    broadcast = max((r for r in alone["records"] if r["collective"] == "broadcast"), key=lambda r: r["size_bytes"])
+    assert broadcast["busbw"] > 10 * copy["rate"]
+    rows = {row["collective"]: row for row in bench.one_rank_rows(alone["records"], copy)}
+    assert list(rows) == list(bench.COLLECTIVES)
+    for name in bench.IN_PLACE:
+        assert rows[name]["in_place"] and "of_copy" not in rows[name]
+    for name in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert rows[name]["algbw"] == pytest.approx(8e11) and rows[name]["of_copy"] == pytest.approx(0.8)
+        low, high = rows[name]["of_copy_spread"]
+        assert low == pytest.approx(0.8 * 0.9) and high == pytest.approx(0.8 * 1.1)  # copy slowest/fastest
+    table = bench.one_rank_table(list(rows.values()), copy)
+    assert table.splitlines()[0].startswith("collective") and len(table.splitlines()) == 1 + len(rows)
+    assert [line.split()[-1] for line in table.splitlines()[1:] if line.split()[0] in bench.IN_PLACE] == ["-"] * 3
+
+
+def test_one_gpu_report_says_what_one_gpu_can_and_cannot_show():
+    alone, shared = _one_gpu_runs()
+    figures = bench.one_gpu_figures(alone, shared)
+    # the fixed cost, the device copy rate, NCCL's copy over it, gloo's best busbw, each with its unit
+    assert [(value, unit) for value, _, unit in figures.values()] == [
+        (pytest.approx(20.0), "us"), (pytest.approx(1000), "GB/s"), (pytest.approx(0.8), "x"),
+        (pytest.approx((1 << 20) / 2e-3 / 1e9), "GB/s")]
+    assert all(low <= value <= high for value, (low, high), _ in figures.values())
     text = bench.one_gpu_report(alone, shared, 2)
-    assert "20.0 us" in text and "1000 GB/s" in text and "cannot show" in text and "gloo on CPU (2 ranks)" in text
+    assert "cannot show" in text and "gloo on CPU (2 ranks)" in text and "% of loopback TCP" in text
+    assert "measured: 20 us" in text and "measured: 0.8 x" in text
+
+
+def test_one_gpu_report_reads_real_sweep_records():
+    """The one-GPU cell's reading, fed with real `sweep_worker` results of the same shape (gloo on CPU here; on a
+    GPU machine `one_gpu_sweeps` runs NCCL at world size 1 on cuda:0, whose ceilings add the device copy)."""
+    from helpers.plots import collectives as plots
+
+    alone = helpers.launch(bench.sweep_worker, [1 << 10, 1 << 16], 1, 3, world_size=1, timeout=180, quiet=True)[0]
+    shared = helpers.launch(bench.sweep_worker, [1 << 10], 1, 3, collectives=("all_reduce",), ceilings=False,
+                            world_size=2, timeout=180, quiet=True)[0]
+    alone["ceilings"]["device_copy"] = alone["ceilings"]["memcpy"]  # what a CPU has in place of HBM
+    rows = bench.one_rank_rows(alone["records"], alone["ceilings"]["device_copy"])
+    assert [row["collective"] for row in rows] == list(bench.COLLECTIVES)
+    assert all(row["large"]["size_bytes"] == 1 << 16 and row["small"]["size_bytes"] == 1 << 10 for row in rows)
+    figures = bench.one_gpu_figures(alone, shared)
+    assert len(figures) == 4 and all(low <= value <= high for value, (low, high), _ in figures.values())
+    assert "cannot show" in bench.one_gpu_report(alone, shared, 2)
+    plots.one_rank(alone["records"], alone["ceilings"]["device_copy"])
+
+
+def test_busbw_by_ranks_runs_the_sweep_at_each_world_size():
+    records = bench.busbw_by_ranks([1 << 12], (1, 2), collectives=("all_reduce", "all_gather"), warmup=1, repeats=2)
+    assert [(r["world_size"], r["collective"]) for r in records] == [
+        (1, "all_reduce"), (1, "all_gather"), (2, "all_reduce"), (2, "all_gather")]
+    assert all(r["checked"] and r["factor"] == bench.busbw_factor(r["collective"], r["world_size"]) for r in records)
 
 
 def test_detail_cost_worker_compares_checked_and_unchecked_groups():
@@ -230,9 +294,10 @@ def test_sweep_worker_can_skip_the_ceilings():
         [("reduce_scatter", 1 << 12, True)]
 
 
-@pytest.mark.skipif(__import__("torch").cuda.device_count() != 1, reason="the one-GPU runs need exactly one GPU")
+@pytest.mark.skipif(helpers.devices.gpu_count() != 1, reason="the one-GPU runs need exactly one GPU")
 def test_one_gpu_sweeps_time_nccl_alone_and_gloo_sharing_the_gpu():
     alone, shared = bench.one_gpu_sweeps([1 << 10, 1 << 16], 1, 2, gloo_up_to=1 << 10)
     assert {(r["backend"], r["device"], r["world_size"]) for r in alone["records"]} == {("nccl", "cuda", 1)}
     assert [(r["backend"], r["device"], r["size_bytes"]) for r in shared["records"]] == [("gloo", "cuda", 1 << 10)]
-    assert "device_copy" in alone["ceilings"] and "cannot show" in bench.one_gpu_report(alone, shared, 2)
+    assert "device_copy" in alone["ceilings"] and shared["ceilings"] is None
+    assert "cannot show" in bench.one_gpu_report(alone, shared, 2)

@@ -32,6 +32,9 @@ from helpers.measure.timing import summarize, time_steps
 
 GB = 1e9  # nccl-tests reports GB/s with GB = 1e9 bytes
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
+# Called in place here (one buffer is input and output); the others write a separate output buffer. On one rank NCCL
+# does nothing for an in-place call and one device copy of S for an out-of-place one (see `one_rank_rows`).
+IN_PLACE = ("all_reduce", "broadcast", "reduce")
 _ALIASES = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
             "all_to_all_single": "all_to_all", "allreduce": "all_reduce", "allgather": "all_gather",
@@ -114,10 +117,10 @@ def _buffers(name: str, size_bytes: int, n: int, device, dtype):
         return torch.zeros(count // n, dtype=dtype, device=device), torch.zeros(count, dtype=dtype, device=device)
     if name == "reduce_scatter":
         return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count // n, dtype=dtype, device=device)
-    if name == "all_to_all":
-        return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count, dtype=dtype, device=device)
-    buf = torch.zeros(count, dtype=dtype, device=device)
-    return buf, buf
+    if name in IN_PLACE:
+        buf = torch.zeros(count, dtype=dtype, device=device)
+        return buf, buf
+    return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count, dtype=dtype, device=device)
 
 
 def single_tensor_collectives():
@@ -303,6 +306,8 @@ def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectiv
 
     device = rank_device() if device is None else torch.device(device)
     backend = default_backend()
+    if device.type == "cuda":  # this rank's GPU is the current one: nothing of it lands on cuda:0 by default
+        torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     try:
         lead = ceilings and dist.get_rank() == 0
@@ -322,10 +327,25 @@ def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectiv
         dist.destroy_process_group()
 
 
+def busbw_by_ranks(sizes: list[int], world_sizes, collectives=("all_reduce", "all_gather"), warmup: int = 5,
+                   repeats: int = 20) -> list[dict]:
+    """`sweep_worker` at each world size in turn (no ceilings), launched from the kernel: every record of every run.
+
+    Why: busbw is defined so that a bandwidth-bound collective's figure does not change with the number of ranks
+    (the factor takes out what n changes in the traffic); on NCCL ranks, one per GPU, this shows whether the links
+    bear that out. Each run's backend is the launcher's choice for its size (NCCL where every rank has a GPU).
+    """
+    from helpers.launcher import launch
+
+    return [r for n in world_sizes for r in launch(sweep_worker, sizes, warmup, repeats, collectives=tuple(collectives),
+                                                   ceilings=False, world_size=n, timeout=600)[0]["records"]]
+
+
 def one_gpu_sweeps(sizes: list[int], warmup: int = 5, repeats: int = 20, gloo_up_to: int = 256 << 20) -> tuple:
     """What one GPU can show, launched from the kernel: `sweep_worker` at world size 1 under NCCL (the fixed cost of
-    a call, the device's copy rate), and the all-reduce of CUDA tensors between two gloo ranks sharing the GPU
-    (staged through host memory; sizes up to `gloo_up_to`).
+    a call, NCCL's own copy against the device's copy rate) with the ceilings, and the all-reduce of CUDA tensors
+    between two gloo ranks sharing the GPU (staged through host memory; sizes up to `gloo_up_to`; no ceilings of its
+    own: the first run's loopback TCP is its ceiling).
 
     Why: NCCL refuses two ranks on one GPU, so on a one-GPU machine the multi-rank sweep runs gloo on CPU and these
     two runs measure the GPU alone. Returns (alone, shared), rank 0's results; `one_gpu_report` reads them.
@@ -334,7 +354,7 @@ def one_gpu_sweeps(sizes: list[int], warmup: int = 5, repeats: int = 20, gloo_up
 
     alone = launch(sweep_worker, sizes, warmup, repeats, world_size=1, backend="nccl", timeout=600)[0]
     shared = launch(sweep_worker, [s for s in sizes if s <= gloo_up_to], warmup, repeats, collectives=("all_reduce",),
-                    device="cuda:0", world_size=2, backend="gloo", timeout=600)[0]
+                    device="cuda:0", ceilings=False, world_size=2, backend="gloo", timeout=600)[0]
     return alone, shared
 
 
@@ -447,11 +467,12 @@ def memory_copy_rate(nbytes: int = 64 << 20, repeats: int = 10, device=None) -> 
     dst.copy_(src)  # first touch: page faults and allocation are not the copy's cost
     if device.type == "cuda":  # tens of microseconds on a GPU: a host clock would time the synchronisation
         times = []
+        stream = torch.cuda.current_stream(device)  # the copy's stream: `device`'s, whichever GPU is current
         for _ in range(repeats):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+            begin.record(stream)
             dst.copy_(src)
-            end.record()
+            end.record(stream)
             end.synchronize()
             times.append(begin.elapsed_time(end) / 1e3)
     else:
@@ -649,23 +670,112 @@ def ratio_to_ceiling(record: dict, ceiling: dict) -> tuple[float, tuple[float, f
              (size / record["min_s"]) / (ceiling["size_bytes"] / ceiling["max_s"])))
 
 
+def _iqr_rate(record: dict, factor: float = 1.0) -> tuple[float, float]:
+    """The (low, high) rate S·factor/t of a record's time quartiles (a slow time is a low rate)."""
+    return record["size_bytes"] * factor / record["q3_s"], record["size_bytes"] * factor / record["q1_s"]
+
+
+def one_rank_rows(records: list[dict], copy: dict) -> list[dict]:
+    """NCCL on one rank, per collective: what it does there, its fixed cost, and its copy against the device's.
+
+    Why not busbw: on one rank nothing crosses a link, so busbw is 0 (all-reduce, all-gather, reduce-scatter,
+    all-to-all: factor 0) or the algbw of a call that moves nothing (broadcast, reduce: factor 1). NCCL short-cuts a
+    one-rank call (`ncclLaunchOneRank`, src/enqueue.cc): in place (`IN_PLACE`, as called here) it does nothing, so
+    its time is the call's fixed cost at every size; out of place it is one device-to-device copy of S, so its algbw
+    S/t is a copy rate, counted like `copy` (the device copy ceiling, S/t), and their ratio says how near NCCL's
+    own copy comes to the GPU's. The ratio's spread spans both measurements' slowest and fastest repeats.
+    Returns one dict per collective timed at world size 1: 'collective', 'in_place', 'does', 'small' and 'large'
+    (the smallest and largest size's records) and, out of place, 'algbw', 'algbw_iqr', 'of_copy', 'of_copy_spread'.
+    """
+    rows = []
+    for name in COLLECTIVES:
+        mine = sorted((r for r in records if r["collective"] == name and r["world_size"] == 1),
+                      key=lambda r: r["size_bytes"])
+        if not mine:
+            continue
+        in_place = name in IN_PLACE
+        row = {"collective": name, "in_place": in_place, "small": mine[0], "large": mine[-1],
+               "does": "nothing (in place)" if in_place else "one device copy of S"}
+        if not in_place:
+            large = mine[-1]
+            ratio, spread = ratio_to_ceiling({**large, "factor": 1.0}, copy)
+            row.update(algbw=algbw(large["size_bytes"], large["median_s"]), algbw_iqr=_iqr_rate(large),
+                       of_copy=ratio, of_copy_spread=spread)
+        rows.append(row)
+    return rows
+
+
+def one_rank_table(rows: list[dict], copy: dict) -> str:
+    """`one_rank_rows` as text: per collective, what NCCL does on one rank, the smallest and largest message's
+    median time (IQR), and out of place the largest's algbw (IQR) over the device copy rate (spread)."""
+    def cells(row):
+        times = [f"{r['median_s'] * 1e6:.1f} ({r['q1_s'] * 1e6:.1f}-{r['q3_s'] * 1e6:.1f})"
+                 for r in (row["small"], row["large"])]
+        if row["in_place"]:
+            return [row["collective"], row["does"], *times, "-", "-"]
+        (low, high), (r_low, r_high) = row["algbw_iqr"], row["of_copy_spread"]
+        return [row["collective"], row["does"], *times, f"{row['algbw'] / GB:.1f} ({low / GB:.1f}-{high / GB:.1f})",
+                f"x{row['of_copy']:.3f} (x{r_low:.3f}-x{r_high:.3f})"]
+
+    head = ["collective", "NCCL on 1 rank does", f"{human_bytes(rows[0]['small']['size_bytes'])}: us (IQR)",
+            f"{human_bytes(rows[0]['large']['size_bytes'])}: us (IQR)", "algbw GB/s (IQR)",
+            f"/ {copy['name']} (spread)"]
+    table = [head] + [cells(row) for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in
+                               enumerate(zip(line, widths))).rstrip() for line in table)
+
+
+def one_gpu_figures(alone: dict, shared: dict) -> dict:
+    """The figures one GPU measures, each (median, (low, high), unit), for headlines and docs/measurements.md:
+    NCCL's fixed cost per call (the smallest in-place all-reduce on one rank, IQR), the device copy rate (IQR),
+    NCCL's one-rank copy over it (the largest all-gather, spread of both), gloo's best all-reduce busbw between
+    two ranks sharing the GPU (IQR)."""
+    copy = alone["ceilings"]["device_copy"]
+    rows = {row["collective"]: row for row in one_rank_rows(alone["records"], copy)}
+    call, gather = rows["all_reduce"]["small"], rows["all_gather"]
+    best = peak(shared["records"])
+    return {
+        f"NCCL call on 1 rank (all_reduce of {human_bytes(call['size_bytes'])}, in place)":
+            (call["median_s"] * 1e6, (call["q1_s"] * 1e6, call["q3_s"] * 1e6), "us"),
+        f"{copy['name']} rate ({human_bytes(copy['size_bytes'])}, S/t)":
+            (copy["rate"] / GB, tuple(v / GB for v in _iqr_rate(copy)), "GB/s"),
+        f"NCCL all_gather on 1 rank ({human_bytes(gather['large']['size_bytes'])}) / {copy['name']}":
+            (gather["of_copy"], gather["of_copy_spread"], "x"),
+        f"gloo all_reduce of CUDA tensors, 2 ranks on 1 GPU, best busbw ({human_bytes(best['size_bytes'])})":
+            (best["busbw"] / GB, tuple(v / GB for v in _iqr_rate(best, best["factor"])), "GB/s"),
+    }
+
+
 def one_gpu_report(alone: dict, shared: dict, world_size: int) -> str:
-    """What one GPU can and cannot show, from `sweep_worker` at world size 1 under NCCL (`alone`) and two gloo ranks
-    sharing the GPU (`shared`), with the device copy rate (HBM) as the ceiling."""
-    hbm = alone["ceilings"]["device_copy"]
-    call = smallest([r for r in alone["records"] if r["collective"] == "all_reduce"])
+    """What one GPU can and cannot show, from `sweep_worker` at world size 1 under NCCL (`alone`, with the
+    ceilings) and two gloo ranks sharing the GPU (`shared`): NCCL's one-rank table against the device copy rate
+    (HBM), gloo's table against loopback TCP (its transport between the ranks), then a can / cannot table whose
+    figures come from `one_gpu_figures` (median and interval, ready for docs/measurements.md)."""
+    copy, tcp = alone["ceilings"]["device_copy"], alone["ceilings"]["tcp"]
+    figures = list(one_gpu_figures(alone, shared).items())
+
+    def measured(i):
+        name, (value, (low, high), unit) = figures[i]
+        return f"measured: {value:.4g} {unit} ({low:.4g}-{high:.4g}), {name}"
+
+    can = [("NCCL's fixed cost of a call", measured(0)),
+           ("the GPU's copy rate (HBM), the ceiling of any collective on it", measured(1)),
+           ("NCCL's one-rank copy against the GPU's copy rate", measured(2)),
+           ("gloo moving CUDA tensors through host memory", measured(3)),
+           ("NCCL's busbw between GPUs (NVLink, PCIe, network)", "cannot: at world size 1 nothing crosses a link "
+                                                                 "(busbw factor 0); it needs two GPUs"),
+           ("NCCL against gloo on the same GPUs", "cannot: NCCL refuses two ranks on one GPU"),
+           ("busbw against the number of ranks", "cannot with NCCL; the multi-rank sweep above ran gloo on CPU "
+                                                  f"({world_size} ranks)")]
+    width = max(len(what) for what, _ in can)
     return "\n".join([
-        format_ceilings({"device_copy": hbm}), "", format_table(alone["records"], hbm), "",
-        format_table(shared["records"], hbm), "", "what one GPU shows:",
-        f"  the fixed cost of an NCCL call: all_reduce of {human_bytes(call['size_bytes'])} on 1 rank, "
-        f"{call['median_s'] * 1e6:.1f} us",
-        f"  the GPU's copy rate (HBM), the ceiling of any collective on it: {hbm['rate'] / GB:.0f} GB/s",
-        f"  gloo moving CUDA tensors between two ranks through host memory: best busbw "
-        f"{peak(shared['records'])['busbw'] / GB:.2f} GB/s",
-        "what it cannot show:",
-        "  NCCL's busbw between GPUs: at world size 1 nothing crosses a link (busbw factor 0); that needs two GPUs",
-        "  NCCL against gloo on the same GPUs: NCCL refuses two ranks on one GPU",
-        f"  the multi-rank demos ran gloo on CPU ({world_size} ranks)"])
+        format_ceilings({"device_copy": copy, "tcp": tcp}), "",
+        "NCCL on one rank (world size 1): busbw is 0 or meaningless there; the time and the copy are what it shows",
+        one_rank_table(one_rank_rows(alone["records"], copy), copy), "",
+        "gloo, two ranks sharing the GPU (CUDA tensors staged through host memory):",
+        format_table(shared["records"], tcp), "",
+        f"{'what one GPU can and cannot show':<{width}}  here", *(f"{what:<{width}}  {got}" for what, got in can)])
 
 
 def peak(records: list[dict], key: str = "busbw") -> dict:

@@ -1,13 +1,14 @@
 """Figures for notebooks 01 and 01b (and any later one that benchmarks collectives with helpers.measure.collectives).
 
-Why these three: what each rank holds before and after a collective is easier to read as a grid than as prose;
+Why these: what each rank holds before and after a collective is easier to read as a grid than as prose;
 a ring's per-rank traffic against a root's is the whole argument for the ring; and bandwidth against size (with
 the ceiling beside it) and time against size are the two views nccl-tests prints, one for each regime (latency
-bound at small sizes, bandwidth bound at large ones). Each function takes measured results and returns the Figure.
+bound at small sizes, bandwidth bound at large ones); on one GPU, where busbw is 0, NCCL's one-rank copy against the
+GPU's copy rate and the fixed cost of a call. Each function takes measured results and returns the Figure.
 """
 from __future__ import annotations
 
-from helpers.measure.collectives import COLLECTIVES, GB, busbw_factor, human_bytes
+from helpers.measure.collectives import COLLECTIVES, GB, IN_PLACE, busbw_factor, human_bytes
 from helpers.plots import new_figure
 
 
@@ -177,4 +178,41 @@ def explored_point(records: list[dict], point: dict, ceiling: dict | None = None
     ax_bw.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{point['collective']} ({point['backend']}, {point['world_size']} ranks, {point['device']}): "
                  f"{human_bytes(point['size_bytes'])}", fontsize=10)
+    return fig
+
+
+def one_rank(records: list[dict], copy: dict):
+    """NCCL on one rank: algbw of the out-of-place collectives (one device copy of S each) against the device copy
+    rate (left), and every collective's time per call (right: the in-place ones do nothing, so their time is the
+    call's fixed cost at every size). Shaded: the interquartile range over repeats.
+
+    Why not `bandwidth_and_latency`: at world size 1 busbw is 0 or the rate of a call that moves nothing
+    (`helpers.measure.collectives.one_rank_rows` says why).
+    """
+    fig, (ax_bw, ax_lat) = new_figure(2, width=6.4, height=4.2)
+    colours = {name: f"C{i}" for i, name in enumerate(COLLECTIVES)}
+    for (name, backend), rows in _series([r for r in records if r["world_size"] == 1]).items():
+        sizes = [r["size_bytes"] for r in rows]
+        in_place = name in IN_PLACE
+        kw = {"color": colours[name], "marker": "o", "markersize": 3, "linestyle": ":" if in_place else "-"}
+        label = f"{name} ({'in place: nothing' if in_place else 'one copy of S'})"
+        if not in_place:
+            ax_bw.plot(sizes, [r["size_bytes"] / r["median_s"] / GB for r in rows], label=name, **kw)
+            ax_bw.fill_between(sizes, [r["size_bytes"] / r["q3_s"] / GB for r in rows],
+                               [r["size_bytes"] / r["q1_s"] / GB for r in rows], color=colours[name], alpha=0.12,
+                               linewidth=0)
+        ax_lat.plot(sizes, [r["median_s"] * 1e6 for r in rows], label=label, **kw)
+        ax_lat.fill_between(sizes, [r["q1_s"] * 1e6 for r in rows], [r["q3_s"] * 1e6 for r in rows],
+                            color=colours[name], alpha=0.12, linewidth=0)
+    ax_bw.axhline(copy["rate"] / GB, color="0.35", linestyle="--", linewidth=1.2,
+                  label=f"ceiling: {copy['name']} of {human_bytes(copy['size_bytes'])}, {copy['rate'] / GB:.3g} GB/s")
+    for ax in (ax_bw, ax_lat):
+        _size_axis(ax, [r["size_bytes"] for r in records])
+        ax.set_yscale("log")
+    ax_bw.set_ylabel("algbw S/t (GB/s, 1 GB = 1e9 B), median")
+    ax_lat.set_ylabel("time per call (us), median")
+    ax_bw.legend(fontsize=7, loc="lower right")
+    ax_lat.legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"NCCL on one rank ({records[0]['device']}): its copies against the GPU's, and the cost of a call",
+                 fontsize=10)
     return fig
