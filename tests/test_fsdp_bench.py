@@ -48,8 +48,10 @@ def test_every_eager_knob_applies_and_ratios_pair_the_rounds():
     assert out["parameters"] > 0 and out["device"] == "cpu"
     summary = eager_ratios(out)
     assert set(summary) == set(eager) - {EAGER_BASE}, "every FSDP2 configuration, no baseline"
-    for label, (median, low, high) in summary.items():
-        assert low <= median <= high and sorted(out["ratios"][label][EAGER_BASE])[1] == median
+    for label, r in summary.items():
+        low, high = r["interval"]
+        assert r["min"] <= low <= r["median"] <= high <= r["max"]
+        assert sorted(out["ratios"][label][EAGER_BASE])[1] == r["median"]
 
 
 def test_compiled_configurations_are_compared_at_equal_compilation():

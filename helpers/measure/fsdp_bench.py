@@ -113,12 +113,18 @@ def bf16_step_times(device, recipe, per_rank_batch: int, repeats: int, warmup: i
     return {"seconds": seconds, "ratios": ratios, "parameters": parameters, "device": str(device)}
 
 
-def eager_ratios(bench: dict) -> dict[str, tuple[float, float, float]]:
-    """Each FSDP2 configuration's step over the plain eager autocast step, as (median, min, max) of the rounds'
-    ratios (`bf16_step_times`' result; configurations that failed are left out)."""
+def eager_ratios(bench: dict) -> dict[str, dict[str, float | tuple[float, float]]]:
+    """Each FSDP2 configuration's step over the plain eager autocast step (`bf16_step_times`' result; configurations
+    that failed are left out): the median, min and max of the rounds' ratios, and the 90% bootstrap interval of the
+    median (`claims.median_interval`), the spread a verdict on a target takes."""
+    import statistics
+
+    from helpers.measure.claims import median_interval
+
     out = {}
     for label, by_base in bench["ratios"].items():
         rounds = sorted(by_base.get(EAGER_BASE, []))
         if CONFIGS.get(label, {}).get("fsdp", label.startswith("FSDP")) and rounds:
-            out[label] = (rounds[len(rounds) // 2], rounds[0], rounds[-1])
+            out[label] = {"median": statistics.median(rounds), "min": rounds[0], "max": rounds[-1],
+                          "interval": median_interval(rounds)}
     return out
