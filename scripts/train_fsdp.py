@@ -24,12 +24,15 @@ from torch.distributed.tensor import DTensor
 
 def init_distributed() -> torch.device:
     """The process group from torchrun's environment: NCCL on this rank's own GPU (passed as device_id) where every
-    local rank has one, else gloo on the CPU. Returns the device this rank computes on."""
+    local rank has one, with gloo beside it for CPU tensors; else gloo on the CPU. Returns the device this rank
+    computes on."""
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available() and local_world <= torch.cuda.device_count():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        # gloo for CPU tensors: with CPUOffloadPolicy the gradients live on the CPU, and clip_grad_norm_ all-reduces
+        # their norms there, which NCCL alone refuses ("No backend type associated with device type cpu")
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")

@@ -53,8 +53,11 @@ def test_tables_lay_out_what_they_are_given():
                         "whole_parameters": 3}}
     text = fsdp_plots.memory_table([rank, {**rank, "rank": 1}], ["DDP", "default"], psi=1, padding=0)
     assert "16" in text and "padding at N = 2: 0" in text and text.count("\n") == 5
-    text = fsdp_plots.step_time_table({"base": [0.002, 0.001, 0.003], "knob": [0.004] * 3, "bad": "failed: X"}, "base")
-    assert "2.00 [1.00, 3.00]" in text and "2.00x the base step" in text and "failed: X" in text
+    bench = {"seconds": {"base": [0.002, 0.001, 0.003], "knob": [0.004] * 3, "bad": "failed: X"},
+             "ratios": {"base": {}, "knob": {"base": [2.0, 4.0, 4 / 3]}}}
+    text = fsdp_plots.step_time_table(bench)
+    assert "2.00 [1.00, 3.00]" in text and "2.00x [1.33, 4.00] base" in text and "failed: X" in text
+    assert "(baseline)" in text and text.count("\n") == 3
 
 
 def test_whole_parameters_stack_on_top_of_the_state():

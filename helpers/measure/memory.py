@@ -102,6 +102,7 @@ def cuda_memory(device) -> dict[str, int] | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    torch.cuda.synchronize(device)   # frees on FSDP2's and NCCL's side streams complete before we read
     return {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}
 
 
@@ -155,26 +156,44 @@ def step_memory(build, loss_of, device, lr: float = 1e-3) -> dict:
     return out
 
 
+SNAPSHOT_MAX_ENTRIES = 100_000  # allocator events kept; one step of notebook 03b's GPU model records a few thousand
+
+
 def cuda_step_snapshot(build, loss_of, device, path: str) -> dict:
     """One training step recorded by the CUDA caching allocator; rank 0 writes the snapshot to `path`.
 
     Why: the byte counts above say how much; the snapshot says when and who. Dropped on
     https://pytorch.org/memory_viz (nothing is uploaded) its 'Active Memory Timeline' stacks every allocation of
     the step with the Python stack that made it. The second step is recorded, so Adam's state exists from its
-    start. Runs in a worker on a GPU; returns the step's peak allocated bytes and the path.
+    start. Python stacks only (`stacks="python"`): C++ frames would make the file several times larger and its
+    dump slow (each frame is symbolised). Runs in a worker on a GPU; returns the step's peak allocated bytes, the
+    model state's bytes (as the allocator rounds them), the events recorded and, on the rank that wrote it, the
+    file's path and size (else None).
     """
+    import os
+
     import torch.distributed as dist
 
+    device = torch.device(device)
     model = build()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     for step in range(2):
         if step == 1:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            torch.cuda.synchronize(device)
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES, stacks="python",
+                                                     device=device, clear_history=True)
             torch.cuda.reset_peak_memory_stats(device)
         loss_of(model).backward()
         optimizer.step()
+        if step == 1:                                # the state as the peak saw it: gradients still held
+            torch.cuda.synchronize(device)
+            state = sum(allocated_state_bytes(model, optimizer, CUDA_BLOCK_BYTES).values())
         optimizer.zero_grad()
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    snapshot = torch.cuda.memory._snapshot(device)
+    events = sum(len(trace) for trace in snapshot["device_traces"])
+    if writer:
         torch.cuda.memory._dump_snapshot(path)
-    torch.cuda.memory._record_memory_history(enabled=None)
-    return {"peak": torch.cuda.max_memory_allocated(device), "path": path}
+    torch.cuda.memory._record_memory_history(enabled=None, device=device)
+    return {"peak": torch.cuda.max_memory_allocated(device), "state": state, "events": events,
+            "path": path if writer else None, "file_bytes": os.path.getsize(path) if writer else None}

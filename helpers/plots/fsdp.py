@@ -165,14 +165,18 @@ def memory_table(ranks: list[dict], strategies: list[str], psi: int, padding: in
     return "\n".join(lines)
 
 
-def step_time_table(times: dict[str, list[float] | str], base: str) -> str:
-    """Milliseconds per step, median [min, max], and the median's ratio to `base`'s; a failed entry as its text."""
+def step_time_table(bench: dict) -> str:
+    """Milliseconds per step, median [min, max], and each configuration's step over its baselines', median [min,
+    max] of the round-by-round ratios (`helpers.measure.fsdp_bench.bf16_step_times`' result); a failed
+    configuration as its text."""
     median = lambda xs: sorted(xs)[len(xs) // 2]
-    lines = []
-    for label, seconds in times.items():
+    lines = [f"  {'configuration':<40} {'ms per step':>24}   step / baseline's step"]
+    for label, seconds in bench["seconds"].items():
         if isinstance(seconds, str):
-            lines.append(f"  {label:<32} {seconds}")
+            lines.append(f"  {label:<40} {seconds}")
             continue
-        lines.append(f"  {label:<32} {median(seconds) * 1e3:8.2f} [{min(seconds) * 1e3:.2f}, {max(seconds) * 1e3:.2f}]"
-                     f"   {median(seconds) / median(times[base]):5.2f}x the {base} step")
+        ms = [s * 1e3 for s in seconds]
+        ratios = "; ".join(f"{median(r):.2f}x [{min(r):.2f}, {max(r):.2f}] {base}"
+                           for base, r in bench["ratios"].get(label, {}).items() if r)
+        lines.append(f"  {label:<40} {median(ms):8.2f} [{min(ms):.2f}, {max(ms):.2f}]   {ratios or '(baseline)'}")
     return "\n".join(lines)
