@@ -97,9 +97,11 @@ def test_checkpoint_layout_lists_chunks_files_and_counts_every_tensor_once(tmp_p
 
 
 def test_costs_table_warns_only_when_ranks_outnumber_cores():
-    summary = {"state_bytes": 2 << 20, "on_disk": 2 << 20, "median_s": {"dcp.save": 0.5}, "rate": {"dcp.save": 4 << 20}}
+    summary = {"state_bytes": 2 << 20, "on_disk": 2 << 20, "median_s": {"dcp.save": 0.5}, "rate": {"dcp.save": 4 << 20},
+               "seconds": {"dcp.save": [0.4, 0.5, 0.75]}}
     table = disk.costs_table(summary, "cpu", 3, 2, 2)
     assert "2 MiB of tensors over 2 rank(s)" in table and "500.0 ms" in table and "WARNING" not in table
+    assert "500.0 ms (400.0-750.0)" in table, "the spread of the repeats beside the median"
     assert "WARNING: 3 ranks on 2 cores" in disk.costs_table(summary, "cpu", 3, 3, 2)
 
 
