@@ -30,6 +30,7 @@ def _summary(save_vs_disk, blocking):
 def test_save_rates_carry_the_noise_and_the_setting():
     noisy = checkpoint_claims.save_rates(_summary((0.3, 0.7, 1.0), (0.1, 0.15, 0.3)), on_gpu=True)
     assert "0.70x" in noisy and noisy.count("inconclusive") == 2
+    assert "bootstrap interval of the median 0.30-1.00x" in noisy, "the spread printed beside the median"
     clear = checkpoint_claims.save_rates(_summary((0.6, 0.8, 0.9), (0.05, 0.1, 0.15)), on_gpu=True)
     assert "inconclusive" not in clear and clear.count("within") == 2
     slow = checkpoint_claims.save_rates(_summary((0.1, 0.2, 0.3), (0.05, 0.1, 0.15)), on_gpu=False)

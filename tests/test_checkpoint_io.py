@@ -59,16 +59,20 @@ def test_summarize_costs_takes_the_slowest_rank_and_ratios_side_by_side():
 
 
 @pytest.mark.timeout(120)
-def test_checkpoint_costs_runs_on_two_ranks(tmp_path):
+def test_checkpoint_costs_runs_where_the_notebook_runs_it(tmp_path):
+    # 2 CPU ranks here; on a GPU machine a rank per GPU (1 on one GPU), with CUDA state and "cpu:gloo,cuda:nccl"
     import functools
 
+    from helpers.devices import gpu_count
     from helpers.launcher import launch
 
-    results = launch(disk.checkpoint_costs, functools.partial(_linear_state, 64), str(tmp_path), 2, world_size=2)
-    assert [sorted(r["times"]) for r in results] == [sorted(disk.OPS)] * 2
+    n = disk.bench_ranks(2, gpu_count())
+    results = launch(disk.checkpoint_costs, functools.partial(_linear_state, 64), str(tmp_path), 2, world_size=n)
+    assert [r["device"].split(":")[0] for r in results] == ["cuda" if gpu_count() else "cpu"] * n
+    assert [sorted(r["times"]) for r in results] == [sorted(disk.OPS)] * n
     assert all(len(v) == 2 and min(v) > 0 for r in results for v in r["times"].values())
-    assert results[0]["held_bytes"] == 64 * 64 * 4 and results[0]["on_disk"] >= 2 * 64 * 64 * 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk0", "disk1"]  # checkpoints removed, probes too
+    assert results[0]["held_bytes"] == 64 * 64 * 4 and results[0]["on_disk"] >= n * 64 * 64 * 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"disk{r}" for r in range(n)]  # checkpoints removed
     assert all(list(p.iterdir()) == [] for p in tmp_path.iterdir())
 
 
@@ -93,7 +97,15 @@ def test_checkpoint_layout_lists_chunks_files_and_counts_every_tensor_once(tmp_p
 
 
 def test_costs_table_warns_only_when_ranks_outnumber_cores():
-    summary = {"state_bytes": 2 << 20, "on_disk": 2 << 20, "median_s": {"dcp.save": 0.5}, "rate": {"dcp.save": 4 << 20}}
+    summary = {"state_bytes": 2 << 20, "on_disk": 2 << 20, "median_s": {"dcp.save": 0.5}, "rate": {"dcp.save": 4 << 20},
+               "seconds": {"dcp.save": [0.4, 0.5, 0.75]}}
     table = disk.costs_table(summary, "cpu", 3, 2, 2)
     assert "2 MiB of tensors over 2 rank(s)" in table and "500.0 ms" in table and "WARNING" not in table
+    assert "500.0 ms (400.0-750.0)" in table, "the spread of the repeats beside the median"
     assert "WARNING: 3 ranks on 2 cores" in disk.costs_table(summary, "cpu", 3, 3, 2)
+
+
+def test_bench_ranks_measure_cuda_state_wherever_there_is_a_gpu():
+    assert disk.bench_ranks(2, 1) == 1  # one GPU: the notebook's 2 CPU ranks would measure no CUDA staging
+    assert disk.bench_ranks(8, 8) == 8 and disk.bench_ranks(4, 8) == 4  # a rank per GPU, as many as asked
+    assert disk.bench_ranks(2, 0) == 2  # no GPU: the notebook's CPU ranks

@@ -13,13 +13,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from helpers.devices import gpu_count
 from helpers.launcher import launch
+from helpers.measure.ddp import cpu_ranks_env
 from helpers.paths import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))
 import dcp_resume as recipe  # noqa: E402
 
 SIZE = dict(d_model=32, n_layers=1)
+
+
+def _ranks(n):
+    """launch's keywords for n ranks: GPUs hidden from ranks that outnumber them (they run on CPU and must not touch
+    CUDA); on a one-GPU machine the single rank loads onto the GPU, so the checkpoint also crosses devices."""
+    return dict(world_size=n, timeout=240, env=cpu_ranks_env(n, gpu_count()))
 
 
 def _load_and_predict(folder):
@@ -58,24 +66,26 @@ def _equal(a, b):
 
 @pytest.mark.timeout(300)
 def test_saved_at_two_ranks_loads_at_one_and_three_with_equal_outputs(tmp_path):
-    saved = launch(recipe.train, str(tmp_path), total_steps=2, save_every=2, **SIZE, world_size=2, timeout=240)
+    saved = launch(recipe.train, str(tmp_path), total_steps=2, save_every=2, **SIZE, **_ranks(2))
     folder = recipe.latest(tmp_path)
     keys = list(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
     assert keys and not [k for k in keys if re.search(r"rank|cuda|cpu", k)], "no key names a rank or a device"
-    one, three = (launch(_load_and_predict, str(folder), world_size=n, timeout=240) for n in (1, 3))
+    one, three = (launch(_load_and_predict, str(folder), **_ranks(n)) for n in (1, 3))
     for loaded in (one[0], *three):
         assert loaded["step"] == 2 and _equal(loaded["params"], saved[0]["params"])
-        assert torch.allclose(loaded["logits"], one[0]["logits"], rtol=1e-6, atol=1e-6)
+        # float32 kernels of two devices (1 rank on a GPU where there is one, 3 on CPUs) or thread counts sum in
+        # other orders: about 1e-6 apart relative (TF32, about 1e-3, is off for CUDA matmuls by default)
+        assert torch.allclose(loaded["logits"], one[0]["logits"], rtol=1e-4, atol=1e-5)
     assert all(r["loader"] == one[0]["loader"] for r in three), "the loader's position is the same on every rank"
 
 
 @pytest.mark.timeout(300)
 def test_a_checkpoint_with_extra_per_rank_device_keys_loads_without_them(tmp_path):
-    params = launch(_save_with_gpu_era_keys, str(tmp_path), world_size=2, timeout=240)[0]
+    params = launch(_save_with_gpu_era_keys, str(tmp_path), **_ranks(2))[0]
     meta = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
     assert "app.rank0.cuda_rng" in meta and "app.rank1.cuda_rng" in meta
     for n in (1, 3):
-        loaded = launch(_load_and_predict, str(tmp_path), world_size=n, timeout=240)[0]
+        loaded = launch(_load_and_predict, str(tmp_path), **_ranks(n))[0]
         assert _equal(loaded["params"], params), f"loaded at {n} ranks, extra entries ignored"
 
 

@@ -78,15 +78,25 @@ def save_rates(summary: dict, on_gpu: bool) -> str:
     async_save blocks the caller for at most 0.2x a synchronous save (its staging is a device-to-host copy)."""
     save_vs_disk, blocking = summary["ratios"]["save_vs_disk"], summary["ratios"]["blocking_share"]
     return "\n".join([
-        f"dcp.save ran at {save_vs_disk['median']:.2f}x the disk's fsync'd write rate (target: DCP's own costs take "
-        "at most half of a save):",
+        f"dcp.save ran at {save_vs_disk['median']:.2f}x the disk's fsync'd write rate (median; {_spread(save_vs_disk)}; "
+        "target: DCP's own costs take at most half of a save):",
         "   " + verdict(save_vs_disk["median"], 0.5, None, unit="x", spread=save_vs_disk["interval"]),
-        f"async_save blocked the caller for {blocking['median']:.2f}x a synchronous save's time (target on GPUs: at "
-        "most 0.2x):",
+        f"async_save blocked the caller for {blocking['median']:.2f}x a synchronous save's time (median; "
+        f"{_spread(blocking)}; target on GPUs: at most 0.2x):",
         "   " + verdict(blocking["median"], 0, 0.2, unit="x", spread=blocking["interval"], applicable=on_gpu,
                         reason="the target is for CUDA tensors, whose staging is a device-to-host copy; these ranks "
                                "hold CPU tensors, staged within host memory"),
         "A load right after a save reads from the page cache; from a cold disk it would be slower."])
+
+
+def _spread(ratio: dict) -> str:
+    """The noise of a ratio's median, for a figure copied elsewhere: its bootstrap interval (and the repeats' range
+    where `disk.summarize_costs` kept them)."""
+    lo, hi = ratio["interval"]
+    text = f"bootstrap interval of the median {lo:.2f}-{hi:.2f}x"
+    if ratio.get("values"):
+        text += f", {len(ratio['values'])} repeats {min(ratio['values']):.2f}-{max(ratio['values']):.2f}x"
+    return text
 
 
 def new_node_within_seconds(restart_s: float) -> str:
