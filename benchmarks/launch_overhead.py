@@ -8,6 +8,8 @@ most 0.1 s per launch after the first. Run: ./cookbook bench
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
 from helpers import machine_facts
 from helpers.measure.launch_overhead import OURS, compare_launchers, compare_persistent_calls, comparison_table
@@ -19,8 +21,11 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
     facts = machine_facts()
-    print(f"torch {facts['torch']}, {facts['cores']} cores, CPU {facts['cpu_capability']}, GPUs {facts['gpus']}, "
-          f"world size {args.world_size}, first launch then {args.repeats} more each, after a backward pass")
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    device = (", ".join(facts["gpu_names"]) or f"{facts['gpus']} GPU(s)") if facts["gpus"] else "no GPU"
+    print(f"{date}; torch {facts['torch']}, Python {facts['python']}, {facts['cores']} cores, CPU "
+          f"{facts['cpu_capability']}, {device}; world size {args.world_size}, first launch then {args.repeats} more "
+          "each, in a process that has run a multi-threaded backward pass")
     results = compare_launchers(args.world_size, args.repeats)
     print(comparison_table(results))
     ours = results[OURS]["median_s"]
@@ -40,6 +45,17 @@ def main() -> None:
     if facts["gpus"]:
         print(f"target (GPU machine, at most 0.1 s per launch after the first): "
               f"{'met' if ours <= 0.1 else 'NOT met'} ({ours:.3f} s)")
+    print("\nfor docs/measurements.md:\n" + measurements_row(date, device, facts["torch"], results, persistent))
+
+
+def measurements_row(date: str, device: str, torch_version: str, results: dict, persistent: float) -> str:
+    """The run as one row of docs/measurements.md's table: each launcher's first launch and median (min-max)."""
+    figures = "; ".join(f"{name}: first {r['first_s']:.3f} s, median {r['median_s']:.3f} s "
+                        f"({r['min_s']:.3f}-{r['max_s']:.3f}, {len(r['samples'])} launches)"
+                        for name, r in results.items())
+    command = "python " + " ".join(["benchmarks/launch_overhead.py", *sys.argv[1:]])
+    return (f"| {date} | {device} | {torch_version} | `{command}` | after a backward pass: {figures}; "
+            f"Workers.run {persistent * 1e3:.1f} ms per call |")
 
 
 if __name__ == "__main__":
