@@ -1,4 +1,4 @@
-"""scripts/train_tp.py's plan at tensor-parallel degrees a CPU machine cannot launch (8 GPUs in one node): run on
+"""The recipes' splits at sizes a CPU machine cannot launch. scripts/train_tp.py's plan at tensor-parallel degrees a CPU machine cannot launch (8 GPUs in one node): run on
 one process that plays rank 0 of 8 through torch's fake process group (collectives return without talking to
 anyone), which is enough to check every shape the plan makes. Found by reading, before any GPU ran it: with the
 script's former 4 heads, `--tp 8` (notebook 07's two-node torchrun line) gave each rank half a head and the
@@ -48,3 +48,17 @@ def test_heads_that_tp_cannot_split_are_refused_before_anything_starts():
 
     with pytest.raises(SystemExit):
         train_tp.parse_args(["--tp", "8", "--heads", "4"])
+
+
+def test_a_pipeline_whose_layers_do_not_split_into_equal_stages_is_refused():
+    """8 ranks with the script's default 4 layers: before, every stage kept 0 blocks and trained without them."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS))
+    import train_pipeline
+
+    cfg = train_pipeline.Config(vocab_size=64, d_model=16, n_layers=4, n_heads=2)
+    with pytest.raises(ValueError, match="do not split into 8 equal stages"):
+        train_pipeline.stage_module(train_pipeline.GPT(cfg), 0, 8)
+    kept = train_pipeline.stage_module(train_pipeline.GPT(cfg), 1, 2)
+    assert list(kept.blocks) == ["2", "3"] and kept.tok is None and kept.head is not None
