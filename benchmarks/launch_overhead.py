@@ -3,7 +3,9 @@
 Every launcher is timed in this one process after it has run a multi-threaded backward pass (a kernel that has
 trained something). Prints the first launch and the median of the later ones; asserts nothing about time (a loaded
 machine is not a failure). Targets: at most 0.6x accelerate's notebook_launcher (median), and on a GPU machine at
-most 0.1 s per launch after the first. Run: ./cookbook bench
+most 0.1 s per launch after the first. Run: ./cookbook bench (on the GPU machine, which has no network for
+./cookbook's set-up: bash .gpu/on-device.sh python3 benchmarks/launch_overhead.py). Its last line is a row for
+docs/measurements.md.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import sys
 import time
 
 from helpers import machine_facts
-from helpers.measure.launch_overhead import OURS, compare_launchers, compare_persistent_calls, comparison_table
+from helpers.measure.launch_overhead import (OURS, compare_launchers, compare_persistent_calls, comparison_table,
+                                            measurements_row)
 
 
 def main() -> None:
@@ -45,17 +48,8 @@ def main() -> None:
     if facts["gpus"]:
         print(f"target (GPU machine, at most 0.1 s per launch after the first): "
               f"{'met' if ours <= 0.1 else 'NOT met'} ({ours:.3f} s)")
-    print("\nfor docs/measurements.md:\n" + measurements_row(date, device, facts["torch"], results, persistent))
-
-
-def measurements_row(date: str, device: str, torch_version: str, results: dict, persistent: float) -> str:
-    """The run as one row of docs/measurements.md's table: each launcher's first launch and median (min-max)."""
-    figures = "; ".join(f"{name}: first {r['first_s']:.3f} s, median {r['median_s']:.3f} s "
-                        f"({r['min_s']:.3f}-{r['max_s']:.3f}, {len(r['samples'])} launches)"
-                        for name, r in results.items())
-    command = "python " + " ".join(["benchmarks/launch_overhead.py", *sys.argv[1:]])
-    return (f"| {date} | {device} | {torch_version} | `{command}` | after a backward pass: {figures}; "
-            f"Workers.run {persistent * 1e3:.1f} ms per call |")
+    command = " ".join(["python", "benchmarks/launch_overhead.py", *sys.argv[1:]])
+    print("\nfor docs/measurements.md:\n" + measurements_row(date, device, facts["torch"], command, results, persistent))
 
 
 if __name__ == "__main__":
