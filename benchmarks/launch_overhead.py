@@ -10,6 +10,7 @@ docs/measurements.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -48,7 +49,7 @@ def main() -> None:
     if facts["gpus"]:
         print(f"target (GPU machine, at most 0.1 s per launch after the first): "
               f"{'met' if ours <= 0.1 else 'NOT met'} ({ours:.3f} s)")
-    command = " ".join(["python", "benchmarks/launch_overhead.py", *sys.argv[1:]])
+    command = " ".join([os.path.basename(sys.executable), "benchmarks/launch_overhead.py", *sys.argv[1:]])
     print("\nfor docs/measurements.md:\n" + measurements_row(date, device, facts["torch"], command, results, persistent))
 
 
