@@ -3,14 +3,20 @@
 Every launcher is timed in this one process after it has run a multi-threaded backward pass (a kernel that has
 trained something). Prints the first launch and the median of the later ones; asserts nothing about time (a loaded
 machine is not a failure). Targets: at most 0.6x accelerate's notebook_launcher (median), and on a GPU machine at
-most 0.1 s per launch after the first. Run: ./cookbook bench
+most 0.1 s per launch after the first. Run: ./cookbook bench (on the GPU machine, which has no network for
+./cookbook's set-up: bash .gpu/on-device.sh python3 benchmarks/launch_overhead.py). Its last line is a row for
+docs/measurements.md.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
 
 from helpers import machine_facts
-from helpers.measure.launch_overhead import OURS, compare_launchers, compare_persistent_calls, comparison_table
+from helpers.measure.launch_overhead import (OURS, compare_launchers, compare_persistent_calls, comparison_table,
+                                            measurements_row)
 
 
 def main() -> None:
@@ -19,8 +25,11 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
     facts = machine_facts()
-    print(f"torch {facts['torch']}, {facts['cores']} cores, CPU {facts['cpu_capability']}, GPUs {facts['gpus']}, "
-          f"world size {args.world_size}, first launch then {args.repeats} more each, after a backward pass")
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    device = (", ".join(facts["gpu_names"]) or f"{facts['gpus']} GPU(s)") if facts["gpus"] else "no GPU"
+    print(f"{date}; torch {facts['torch']}, Python {facts['python']}, {facts['cores']} cores, CPU "
+          f"{facts['cpu_capability']}, {device}; world size {args.world_size}, first launch then {args.repeats} more "
+          "each, in a process that has run a multi-threaded backward pass")
     results = compare_launchers(args.world_size, args.repeats)
     print(comparison_table(results))
     ours = results[OURS]["median_s"]
@@ -40,6 +49,8 @@ def main() -> None:
     if facts["gpus"]:
         print(f"target (GPU machine, at most 0.1 s per launch after the first): "
               f"{'met' if ours <= 0.1 else 'NOT met'} ({ours:.3f} s)")
+    command = " ".join([os.path.basename(sys.executable), "benchmarks/launch_overhead.py", *sys.argv[1:]])
+    print("\nfor docs/measurements.md:\n" + measurements_row(date, device, facts["torch"], command, results, persistent))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """What this machine has, and which device and backend a rank should use.
 
-Why a module of its own: the kernel must never initialise CUDA (a forked worker cannot use CUDA once its parent
-has), so every question about GPUs asked from the kernel goes through NVML here, never through the CUDA runtime.
+Why a module of its own: asking the CUDA runtime how many GPUs there are initialises CUDA in the asking process
+(seconds, and a context's memory on the GPU), and a process that has done so can no longer be forked safely. The
+kernel is never forked (workers come from the launcher's fork-server, which never touches CUDA), but describing the
+machine should cost nothing: every question about GPUs asked from the kernel goes through NVML here. Which ranks
+get a GPU is decided in one place (`default_backend`, `placement`), from the number of GPUs it is handed.
 The functions a worker calls (`rank_device`, `default_backend`) are optional sugar: the same worker code can
 spell them out with plain PyTorch and still run under torchrun.
 """
@@ -70,11 +73,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_backend(world_size: int | None = None) -> str:
+def default_backend(world_size: int | None = None, gpus: int | None = None) -> str:
     """'nccl' when every local rank can have a GPU of its own, else 'gloo'.
 
     In a worker started by `helpers.launch` the launcher's choice (COOKBOOK_BACKEND) wins, so that a one-GPU
     machine running two ranks uses gloo for both rather than two NCCL ranks on one GPU (which NCCL refuses).
+    gpus: the GPUs to decide for (default: this machine's), so that a CPU test can drive the GPU decision.
     """
     chosen = os.environ.get("COOKBOOK_BACKEND")
     if chosen:
@@ -82,10 +86,32 @@ def default_backend(world_size: int | None = None) -> str:
     import torch.distributed as dist
 
     local = world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    gpus = gpu_count()
+    gpus = gpu_count() if gpus is None else gpus
     if dist.is_nccl_available() and gpus >= 1 and local <= gpus:
         return "nccl"
     return "gloo"
+
+
+def placement(world_size: int, gpus: int) -> dict:
+    """Where `world_size` ranks on this node run when it has `gpus` GPUs, and the line a notebook prints about it.
+
+    NCCL gives each rank a GPU of its own and refuses two ranks on one GPU, so the ranks get GPUs only when there
+    are enough for all; otherwise every rank runs on the CPU with gloo, with the GPUs hidden from it
+    (CUDA_VISIBLE_DEVICES=""): a CPU rank that can see a GPU makes torch's own code take "CUDA is available" for
+    "these tensors are on CUDA" (PowerSGD's hook synchronises CUDA for CPU buckets; DCP's writer creates a CUDA
+    stream, and with it a CUDA context on GPU 0, in every CPU rank that saves).
+    Returns {"on_gpus": bool, "backend": "nccl" or "gloo", "env": for `launch(env=...)`, "text": the line}.
+    """
+    on_gpus = 1 <= world_size <= gpus
+    if on_gpus:
+        text = f"{world_size} rank(s), NCCL, one GPU each"
+    elif gpus:
+        text = (f"{world_size} ranks, gloo on the CPU: this machine has {gpus} GPU(s) and NCCL needs one per rank "
+                "(the GPUs are hidden from these ranks)")
+    else:
+        text = f"{world_size} ranks, gloo on the CPU (no GPU here)"
+    return {"on_gpus": on_gpus, "backend": "nccl" if on_gpus else "gloo",
+            "env": {"CUDA_VISIBLE_DEVICES": ""} if gpus and not on_gpus else {}, "text": text}
 
 
 def rank_device():
@@ -125,7 +151,7 @@ def machine_facts() -> dict:
         "nccl": dist.is_nccl_available(),
         "mpi": dist.is_mpi_available(),
         # for the launcher's default world size: a rank per GPU with two or more GPUs, else two CPU ranks
-        "default_backend": default_backend(world_size=gpus if gpus >= 2 else 2),
+        "default_backend": default_backend(world_size=gpus if gpus >= 2 else 2, gpus=gpus),
     }
 
 

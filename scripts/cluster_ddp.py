@@ -94,6 +94,8 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     on_gpu = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if on_gpu:  # also the current device: DCP's object collectives put their tensors there, else all on cuda:0
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
     try:
         rank = dist.get_rank()

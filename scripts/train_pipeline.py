@@ -54,6 +54,8 @@ class GPT(nn.Module):
 
 def stage_module(model, stage, n_stages):
     """Keep only stage `stage` of `n_stages` (equal numbers of blocks); parameter names stay the whole model's."""
+    if len(model.blocks) % n_stages:  # else some blocks would silently belong to no stage
+        raise ValueError(f"{len(model.blocks)} blocks do not split into {n_stages} equal stages (--layers: a multiple of them)")
     per = len(model.blocks) // n_stages
     mine = {str(i) for i in range(stage * per, (stage + 1) * per)}
     for name in list(model.blocks):

@@ -171,7 +171,7 @@ def train(device, args):
     mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     tokens, vocab = corpus()
     torch.manual_seed(0)                                      # same weights on every rank
-    model = GPT(vocab, args.d_model, args.layers, seq_len=args.seq_len).to(device)
+    model = GPT(vocab, args.d_model, args.layers, args.heads, args.seq_len).to(device)
     model = apply_fsdp(apply_tp(model, mesh["tp"]), mesh["dp"])
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + mesh.get_local_rank("dp"))   # tp peers share a batch
@@ -186,7 +186,7 @@ def train(device, args):
     return {"rank": rank, "device": device.type, "mesh": tuple(mesh.shape), "first": losses[0], "last": losses[-1]}
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree; dp = world size // tp")
@@ -195,8 +195,16 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8, help="attention heads: TP gives each rank whole heads")
     parser.add_argument("--checkpoint-dir", default=None, help="save a DCP checkpoint there at the end")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.heads % args.tp or args.d_model % args.heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --tp {args.tp} and divide --d-model {args.d_model}")
+    return args
+
+
+def main():
+    args = parse_args()
     result = run_distributed(train, args)
     if result["rank"] == 0:
         print(f"summary: mesh (dp, tp) = {result['mesh']} on {result['device']}, loss {result['first']:.3f} -> "

@@ -170,3 +170,14 @@ def compare_persistent_calls(world_size: int = 2, repeats: int = 15) -> dict[str
         results["helpers.Workers.run (ranks kept)"] = time_launches(lambda: workers.run(trivial), repeats)
     results["helpers.Workers.run (ranks kept)"]["first_s"] = started
     return results
+
+
+def measurements_row(date: str, device: str, torch_version: str, command: str, results: dict[str, dict],
+                     persistent_s: float) -> str:
+    """A benchmark run as one row of docs/measurements.md's table (date, device, torch, command, figures): each
+    launcher's first launch and the median, min and max of the later ones, and `Workers.run`'s median per call."""
+    figures = "; ".join(f"{name}: first {r['first_s']:.3f} s, median {r['median_s']:.3f} s "
+                        f"(min {r['min_s']:.3f}, max {r['max_s']:.3f}, {len(r['samples'])} launches)"
+                        for name, r in results.items())
+    return (f"| {date} | {device} | {torch_version} | `{command}` | after a backward pass: {figures}; "
+            f"helpers.Workers.run {persistent_s * 1e3:.1f} ms per call |")
