@@ -58,6 +58,7 @@ def init_distributed():
     a CPU backend) when every local rank has a GPU, with device_id so NCCL binds it; else gloo on the CPU."""
     if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # DCP's object collectives use the current device, which device_id leaves
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
         return device
     dist.init_process_group("gloo")

@@ -14,8 +14,8 @@ import pytest
 
 from helpers.paths import SCRIPTS
 
-# notebooks 07, 08 and 09's recipes; scripts/dcp_resume.py (notebook 06) has the same pattern to check
-RECIPES = ["cluster_ddp.py", "train_tp.py", "train_pipeline.py"]
+# the recipes that save or load with DCP (notebooks 06 and 09) or run DTensor and pipeline stages (07, 08)
+RECIPES = ["cluster_ddp.py", "dcp_resume.py", "train_pipeline.py", "train_tp.py"]
 
 
 def _calls(tree: ast.AST) -> list[str]:
