@@ -97,6 +97,7 @@ def checkpoint_costs(make_state, root: str, repeats: int = 3) -> dict:
 
     device = rank_device()
     if default_backend() == "nccl":
+        torch.cuda.set_device(device)  # DCP plans with object collectives, which use the current device
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
