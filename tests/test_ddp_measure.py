@@ -334,3 +334,19 @@ def test_demo_ranks_decides_where_notebooks_02_and_02b_run(capsys):
         with pytest.raises(ValueError, match="split GLOBAL_BATCH"):
             measure_ddp.demo_ranks(world_size, {"gpus": 0, "cores": 2}, batch, "cpu")
     assert set(measure_ddp.NOTEBOOK_SIZES) == {"smoke", "cpu", "gpu"}
+
+
+def test_gpu_trace_overlap_takes_nccl_kernels_as_communication_and_other_kernels_as_compute():
+    """traced_step's GPU branch on a synthetic kineto trace: device kernels only ("cat": "kernel"); the host's
+    op and annotation spans (which only say when work was queued) are left out."""
+    from helpers.measure.trace_overlap import overlap
+
+    def span(name, cat, ts, dur):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+    events = [span("sm90_xmma_gemm_f32f32_f32f32_f32_tn_n", "kernel", 0, 100),
+              span("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 60, 80),
+              span("nccl:all_reduce", "cpu_op", 0, 500), span("nccl:all_reduce", "gpu_user_annotation", 60, 80),
+              span("aten::addmm", "cpu_op", 0, 500), span("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 150, 10)]
+    got = overlap({"traceEvents": events}, comm=measure_ddp._is_gpu_comm, compute=measure_ddp._is_gpu_compute)
+    assert (got["comm_us"], got["compute_us"], got["overlap_us"], got["exposed_comm_us"]) == (80, 100, 40, 40)
