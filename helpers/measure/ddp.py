@@ -246,9 +246,10 @@ def cpu_ranks_env(world_size: int, gpus: int) -> dict[str, str]:
 # bucket), EPOCHS of training, TIMED_STEPS behind every median time.
 NOTEBOOK_SIZES = {"smoke": (256, 2, 512, 3, 4, 5), "cpu": (256, 2, 768, 3, 5, 8), "gpu": (1024, 3, 2048, 4, 10, 20)}
 # DDP's own cost at world size 1 on a GPU (notebook 02b), by SIZE: (hidden, depth, batch) of the DigitsMLP timed with
-# and without DDP. At "gpu" size 8192 x 4 holds over 200 M parameters and a step is about 5 TFLOP (6 x parameters x
-# batch): compute-bound on an H100, as a real job's step is, where a 12 M-parameter step is launch-bound and times
-# Python. A CPU measures DDP's overhead on the scaling sweep's model (weak_scaling's world-size-1 launch).
+# and without DDP. At "gpu" size 8192 x 4 holds over 200 M parameters and a step is 6 x parameters x batch, about
+# 5 TFLOP: large enough on an H100 that compute, not the launching of small kernels, sets the step's time, as in a
+# real job (the scaling sweep's model at batch 32 would not be). A CPU measures DDP's overhead on the scaling
+# sweep's model instead (weak_scaling's world-size-1 launch).
 GPU_OVERHEAD_MODEL = {"smoke": (2048, 4, 512), "cpu": (2048, 4, 512), "gpu": (8192, 4, 4096)}
 
 
