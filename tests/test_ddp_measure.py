@@ -224,12 +224,16 @@ def test_cpu_ranks_env_makes_a_one_rank_launch_on_a_gpu_machine_a_cpu_rank(monke
 
 
 def _sees_cuda():
-    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "available": torch.cuda.is_available()}
+    from helpers.devices import rank_device
+
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "available": torch.cuda.is_available(),
+            "device": str(rank_device())}
 
 
 def test_cpu_ranks_env_reaches_the_workers():
-    seen = helpers.launch(_sees_cuda, world_size=2, timeout=60, env={"CUDA_VISIBLE_DEVICES": ""})
-    assert all(s == {"visible": "", "available": False} for s in seen)
+    for world_size in (1, 2):
+        seen = helpers.launch(_sees_cuda, world_size=world_size, timeout=60, env=measure_ddp.CPU_ONLY_ENV)
+        assert all(s == {"visible": "", "available": False, "device": "cpu"} for s in seen)
 
 
 # ----------------------------------------------------------------------------------------------- timing workers
