@@ -111,7 +111,9 @@ def _count_in_ddp(caps, start_iter):
 def test_counters_against_real_ddp():
     caps = [0.001, 0.05, 25]
     start_iter = 2
-    results = helpers.launch(_count_in_ddp, caps, start_iter, world_size=2, timeout=120, quiet=True)
+    # CPU ranks on any machine: a visible GPU would make torch's PowerSGD hook synchronize CUDA for a CPU bucket
+    results = helpers.launch(_count_in_ddp, caps, start_iter, world_size=2, timeout=120, quiet=True,
+                             env=measure_ddp.CPU_ONLY_ENV)
     model = DigitsMLP(hidden=128, depth=3)
     shapes = [tuple(p.shape) for p in model.parameters()]
     for buckets, sent in results:
@@ -197,19 +199,41 @@ def test_powersgd_hook_synchronizes_cuda_for_a_cpu_bucket_when_a_gpu_is_visible(
 
 
 def test_cpu_ranks_hide_the_gpus_only_when_ranks_outnumber_them():
-    assert measure_ddp.cpu_ranks_env(world_size=2, gpus=1) == {"CUDA_VISIBLE_DEVICES": ""}
-    assert measure_ddp.cpu_ranks_env(world_size=4, gpus=2) == {"CUDA_VISIBLE_DEVICES": ""}
+    hidden = {"CUDA_VISIBLE_DEVICES": "", "COOKBOOK_BACKEND": "gloo"}
+    assert measure_ddp.cpu_ranks_env(world_size=2, gpus=1) == hidden == measure_ddp.CPU_ONLY_ENV
+    assert measure_ddp.cpu_ranks_env(world_size=4, gpus=2) == hidden
     assert measure_ddp.cpu_ranks_env(world_size=2, gpus=2) == {}  # a GPU per rank: NCCL, GPUs kept
     assert measure_ddp.cpu_ranks_env(world_size=2, gpus=0) == {}  # nothing to hide
 
 
+def test_cpu_ranks_env_makes_a_one_rank_launch_on_a_gpu_machine_a_cpu_rank(monkeypatch):
+    """weak_scaling's world-size-1 launch on a one-GPU machine hides the GPU from its rank (every n on CPU ranks),
+    but the launcher picks the backend from the kernel's view: NCCL for one rank. The helpers' rank_device() in
+    step_times then chose cuda:0, which the rank cannot see (set_device fails). The env must set the backend too."""
+    from helpers.launcher.api import plan
+
+    monkeypatch.setattr(helpers.devices, "gpu_count", lambda: 1)  # the kernel's view of a one-GPU machine
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert plan(1, None, None, None, None)[2]["COOKBOOK_BACKEND"] == "nccl", "a rank with the GPU: NCCL"
+    worker_env = plan(1, None, None, measure_ddp.cpu_ranks_env(world_size=4, gpus=1), None)[2]
+    assert worker_env["CUDA_VISIBLE_DEVICES"] == ""
+    for key in ("COOKBOOK_BACKEND", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, worker_env[key])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert helpers.devices.default_backend() == "gloo" and helpers.devices.rank_device() == torch.device("cpu")
+
+
 def _sees_cuda():
-    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "available": torch.cuda.is_available()}
+    from helpers.devices import rank_device
+
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "available": torch.cuda.is_available(),
+            "device": str(rank_device())}
 
 
 def test_cpu_ranks_env_reaches_the_workers():
-    seen = helpers.launch(_sees_cuda, world_size=2, timeout=60, env={"CUDA_VISIBLE_DEVICES": ""})
-    assert all(s == {"visible": "", "available": False} for s in seen)
+    for world_size in (1, 2):
+        seen = helpers.launch(_sees_cuda, world_size=world_size, timeout=60, env=measure_ddp.CPU_ONLY_ENV)
+        assert all(s == {"visible": "", "available": False, "device": "cpu"} for s in seen)
 
 
 # ----------------------------------------------------------------------------------------------- timing workers
@@ -226,7 +250,7 @@ def test_ratio_interval_brackets_the_ratio_of_medians():
 def test_step_times_counts_buckets_and_keeps_variants_comparable(grouped):
     variants = {"step": {"ddp": {"bucket_cap_mb": 0.05}}, "no_sync": {"mode": "no_sync", "count_buckets": False},
                 "delayed": {"mode": "delayed", "count_buckets": False}, "plain": {"ddp": None, "memory": True},
-                "accum": {"accum": 2, "count_buckets": False}, "allreduce": {"mode": "allreduce"}}
+                "accum": {"accum": 2, "count_buckets": False}, "allreduce": {"mode": "allreduce", "params": False}}
     if grouped:  # each variant built, timed and freed on its own
         variants = {label: {**spec, "group": label} for label, spec in variants.items()}
     model_of = functools.partial(DigitsMLP, 64, 2)
@@ -235,6 +259,7 @@ def test_step_times_counts_buckets_and_keeps_variants_comparable(grouped):
         assert all(len(v["times"]) == 3 and min(v["times"]) > 0 for v in r.values())
         assert r["step"]["buckets"] == bucket_plan(model_of(), 0.05)
         assert r["plain"]["peak_bytes"] > 0
+        assert "params" not in r["allreduce"], "params=False: no copy of the model sent back"
         # the same seed, batch and number of steps: overlapped and delayed all-reduce train the same parameters
         assert torch.allclose(r["step"]["params"], r["delayed"]["params"], rtol=1e-5, atol=1e-6)
     assert torch.equal(ranks[0]["delayed"]["params"], ranks[1]["delayed"]["params"])
@@ -267,8 +292,10 @@ def test_loader_throughput_reports_every_setting_and_repeat():
     assert set(rates) == set(settings) and all(len(r) == 2 and min(r) > 0 for r in rates.values())
 
 
-def test_weak_scaling_rows_and_the_plain_step_at_world_size_one():
-    rows = measure_ddp.weak_scaling(functools.partial(DigitsMLP, 32, 2), 8, [1, 2], 2, gpus=0, timeout=120)
+def test_weak_scaling_rows_and_the_plain_step_at_world_size_one(capsys):
+    # gpus=1: the one-GPU machine's path (every n on CPU ranks, the GPU hidden), which runs on any machine
+    rows = measure_ddp.weak_scaling(functools.partial(DigitsMLP, 32, 2), 8, [1, 2], 2, gpus=1, timeout=120)
+    assert "CPU ranks with gloo, one core each (this machine's 1 GPU(s)" in capsys.readouterr().out
     assert [r["world_size"] for r in rows] == [1, 2] and rows[0]["efficiency"] == 1.0
     assert set(rows[0]["times"]) == {"step", "no_sync", "allreduce", "plain"} and "plain" not in rows[1]["times"]
     assert all(r["samples_per_s"] > 0 and len(r["rates"]) == 2 for r in rows)
@@ -303,7 +330,7 @@ def test_demo_ranks_decides_where_notebooks_02_and_02b_run(capsys):
     on_gpus = measure_ddp.demo_ranks(2, {"gpus": 2, "cores": 16}, 64, "gpu")
     assert on_gpus == (True, {}, "2 GPU ranks, NCCL")
     one_gpu = measure_ddp.demo_ranks(2, {"gpus": 1, "cores": 16}, 64, "cpu")  # more ranks than GPUs: CPU, GPU hidden
-    assert one_gpu.gpu_ranks is False and one_gpu.env == {"CUDA_VISIBLE_DEVICES": ""}
+    assert one_gpu.gpu_ranks is False and one_gpu.env == measure_ddp.CPU_ONLY_ENV
     assert one_gpu.where.startswith("2 CPU ranks, gloo (this machine has 1 GPU")
     crowded = measure_ddp.demo_ranks(4, {"gpus": 0, "cores": 2}, 64, "smoke")
     assert crowded.env == {} and "WARNING: 4 CPU ranks on 2 cores" in capsys.readouterr().out
@@ -311,3 +338,19 @@ def test_demo_ranks_decides_where_notebooks_02_and_02b_run(capsys):
         with pytest.raises(ValueError, match="split GLOBAL_BATCH"):
             measure_ddp.demo_ranks(world_size, {"gpus": 0, "cores": 2}, batch, "cpu")
     assert set(measure_ddp.NOTEBOOK_SIZES) == {"smoke", "cpu", "gpu"}
+
+
+def test_gpu_trace_overlap_takes_nccl_kernels_as_communication_and_other_kernels_as_compute():
+    """traced_step's GPU branch on a synthetic kineto trace: device kernels only ("cat": "kernel"); the host's
+    op and annotation spans (which only say when work was queued) are left out."""
+    from helpers.measure.trace_overlap import overlap
+
+    def span(name, cat, ts, dur):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+    events = [span("sm90_xmma_gemm_f32f32_f32f32_f32_tn_n", "kernel", 0, 100),
+              span("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 60, 80),
+              span("nccl:all_reduce", "cpu_op", 0, 500), span("nccl:all_reduce", "gpu_user_annotation", 60, 80),
+              span("aten::addmm", "cpu_op", 0, 500), span("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 150, 10)]
+    got = overlap({"traceEvents": events}, comm=measure_ddp._is_gpu_comm, compute=measure_ddp._is_gpu_compute)
+    assert (got["comm_us"], got["compute_us"], got["overlap_us"], got["exposed_comm_us"]) == (80, 100, 40, 40)

@@ -222,22 +222,35 @@ def expected_payload(shapes: list[tuple[int, ...]], method: str, rank: int | Non
 # ----------------------------------------------------------------------------------------------- CPU ranks
 
 
-def cpu_ranks_env(world_size: int, gpus: int) -> dict[str, str]:
-    """The environment for a demo's ranks: GPUs hidden (CUDA_VISIBLE_DEVICES="") when the ranks run on CPU.
+# The environment of a rank that must run on CPU with gloo on any machine: no GPU visible, and the backend that the
+# helpers' `default_backend`/`rank_device` answer in the worker set to match (see `cpu_ranks_env`).
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "COOKBOOK_BACKEND": "gloo"}
 
-    Why: with more ranks than GPUs the ranks compute on CPU with gloo, but a process that can see a GPU makes
-    torch's own code take "CUDA is available" to mean "these tensors are on CUDA": PowerSGD's hook calls
+
+def cpu_ranks_env(world_size: int, gpus: int) -> dict[str, str]:
+    """The environment for a demo's ranks: `CPU_ONLY_ENV` when they run on CPU although the machine has GPUs.
+
+    Why hide the GPUs: with more ranks than GPUs the ranks compute on CPU with gloo, but a process that can see a
+    GPU makes torch's own code take "CUDA is available" to mean "these tensors are on CUDA": PowerSGD's hook calls
     `torch.cuda.synchronize(bucket.device)` whenever `torch.cuda.is_available()`, which raises for a CPU bucket
     (tests/test_ddp_measure.py reproduces it). A CPU rank that cannot see a GPU is a CPU rank all the way down.
-    Ranks that each have a GPU keep them (an empty dict).
+    Why COOKBOOK_BACKEND too: `launch` picks the workers' backend from the kernel's view of the machine, so a
+    world-size-1 launch on a one-GPU machine says "nccl" even where the env hides the GPU, and a helper worker's
+    `rank_device()` would then pick a cuda:0 that the rank cannot see. Ranks that each have a GPU keep them.
     """
-    return {"CUDA_VISIBLE_DEVICES": ""} if 0 < gpus < world_size else {}
+    return dict(CPU_ONLY_ENV) if 0 < gpus < world_size else {}
 
 
 # The sizes notebooks 02 and 02b share, by SIZE: (HIDDEN, DEPTH) of the DigitsMLP trained to accuracy, (BIG_HIDDEN,
 # BIG_DEPTH) of the one for buckets, ZeRO and scaling (at "gpu" size its gradients exceed DDP's 25 MB default
 # bucket), EPOCHS of training, TIMED_STEPS behind every median time.
 NOTEBOOK_SIZES = {"smoke": (256, 2, 512, 3, 4, 5), "cpu": (256, 2, 768, 3, 5, 8), "gpu": (1024, 3, 2048, 4, 10, 20)}
+# DDP's own cost at world size 1 on a GPU (notebook 02b), by SIZE: (hidden, depth, batch) of the DigitsMLP timed with
+# and without DDP. At "gpu" size 8192 x 4 holds over 200 M parameters and a step is 6 x parameters x batch, about
+# 5 TFLOP: large enough on an H100 that compute, not the launching of small kernels, sets the step's time, as in a
+# real job (the scaling sweep's model at batch 32 would not be). A CPU measures DDP's overhead on the scaling
+# sweep's model instead (weak_scaling's world-size-1 launch).
+GPU_OVERHEAD_MODEL = {"smoke": (2048, 4, 512), "cpu": (2048, 4, 512), "gpu": (8192, 4, 4096)}
 
 
 class DemoRanks(NamedTuple):
@@ -314,7 +327,7 @@ def _variant_step(spec: dict, model_factory, x, y, device, seed: int):
         module, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     grads = [p for p in module.parameters() if p.requires_grad]
-    flat = [torch.zeros(b // 4, device=device) for b in bucket_plan(module)]
+    flat = [torch.zeros(b // 4, device=device) for b in bucket_plan(module)] if mode == "allreduce" else []
     world = dist.get_world_size()
 
     def step():
@@ -334,6 +347,23 @@ def _variant_step(spec: dict, model_factory, x, y, device, seed: int):
         optimizer.step()
 
     return module, step
+
+
+def _step_peak_bytes(step, device) -> int:
+    """Peak bytes that one step() holds beyond what was allocated before it. On a GPU the caching allocator's own
+    statistics (they also see what DDP's C++ reducer allocates); elsewhere the dispatch-mode probe of notebook 05."""
+    from helpers.measure.activations import LiveTensorBytes
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with LiveTensorBytes() as live:
+        step()
+    return live.peak
 
 
 def _bucket_bytes(spec: dict, model_factory, x, y, device, seed: int) -> list[int]:
@@ -361,7 +391,9 @@ def step_times(model_factory, batch_size: int, variants: dict, repeats: int, see
     "delayed" (backward under no_sync, then one all-reduce of all gradients after it: Apex's
     delay_all_reduce=True), or "allreduce" (only the all-reduces of DDP's buckets, no compute);
     "accum": micro-batches per step (no_sync on all but the last); "factory": another model_factory;
-    "memory": also record the peak tensor bytes of one step; "count_buckets" (default True for DDP variants);
+    "memory": also record the peak tensor bytes of one step (CUDA memory statistics on a GPU);
+    "count_buckets" (default True for DDP variants); "params" (default True: return the trained parameters; False
+    spares sending a large model's copy back);
     "group": variants of one group (default: all in one) are built together and timed in turn, repeat after
     repeat, so that a load that comes and goes on a shared machine hits them alike (a ratio taken side by side);
     groups are timed one after the other, each freed before the next is built (many large models: less memory)}.
@@ -370,7 +402,6 @@ def step_times(model_factory, batch_size: int, variants: dict, repeats: int, see
     variant runs warmup + repeats steps, plus one with "memory").
     """
     from helpers.devices import default_backend, rank_device
-    from helpers.measure.activations import LiveTensorBytes
 
     device = rank_device()
     backend = default_backend()
@@ -394,10 +425,9 @@ def step_times(model_factory, batch_size: int, variants: dict, repeats: int, see
             for label, (module, step) in built.items():
                 spec = variants[label]
                 if spec.get("memory"):
-                    with LiveTensorBytes() as live:
-                        step()
-                    out[label]["peak_bytes"] = live.peak
-                out[label]["params"] = torch.nn.utils.parameters_to_vector(module.parameters()).detach().cpu()
+                    out[label]["peak_bytes"] = _step_peak_bytes(step, device)
+                if spec.get("params", True):
+                    out[label]["params"] = torch.nn.utils.parameters_to_vector(module.parameters()).detach().cpu()
                 if spec.get("ddp", {}) is not None and spec.get("count_buckets", True):
                     out[label]["buckets"] = _bucket_bytes(spec, model_factory, x, y, device, seed)
             del built
@@ -480,12 +510,17 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     from helpers.launcher import launch
 
     rows = []
-    modes = {m: {"mode": m, "count_buckets": False} for m in ("step", "no_sync", "allreduce")}
+    # parameters come back for the replicas' check only: the other variants' copies would be sent for nothing
+    modes = {m: {"mode": m, "count_buckets": False, "params": m == "step"} for m in ("step", "no_sync", "allreduce")}
+    on_cpu = gpus < max(sizes)
+    print(f"weak scaling, world sizes {sizes}: " + ("a GPU per rank, NCCL" if not on_cpu else "CPU ranks with gloo, "
+          "one core each" + (f" (this machine's {gpus} GPU(s) cannot give each of {max(sizes)} ranks its own)"
+                             if gpus else "")))
     for n in sizes:
-        variants = {**modes, "plain": {"ddp": None}} if n == 1 else modes
+        variants = {**modes, "plain": {"ddp": None, "params": False}} if n == 1 else modes
         ranks = launch(step_times, model_factory, per_rank, variants, repeats, world_size=n, timeout=timeout,
                        env=cpu_ranks_env(max(sizes), gpus),  # one device kind for every n: T_n / (n T_1) compares
-                       threads=1 if gpus < max(sizes) else None)  # CPU ranks: one core each at every n, n = 1 too
+                       threads=1 if on_cpu else None)  # CPU ranks: one core each at every n, n = 1 too
         if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
             raise AssertionError(f"world size {n}: the replicas drifted apart")
         t = {m: statistics.median(ranks[0][m]["times"]) for m in modes}

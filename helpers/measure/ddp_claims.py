@@ -141,9 +141,13 @@ def overhead(ddp_times: list[float], plain_times: list[float], target: float, se
     """DDP's own cost at world size 1 (its hooks, bucket copies, one all-reduce of one rank) against the plain
     module's step, timed side by side, held to `target` percent: 'met' only where the whole noise interval is at or
     under it, 'missed' where it is all above, else 'inconclusive'. Prints both medians; returns the percentage."""
+    def ms(times):  # the median and the spread of the repeats, as docs/measurements.md records a figure
+        low_ms, high_ms = min(times) * 1e3, max(times) * 1e3
+        return f"{median(times) * 1e3:.2f} ms (min-max {low_ms:.2f}-{high_ms:.2f}, {len(times)} repeats)"
+
     change, (low, high) = percent_change(ddp_times, plain_times)
-    print(f"world size 1, {setting}: plain step {median(plain_times) * 1e3:.2f} ms, DDP step "
-          f"{median(ddp_times) * 1e3:.2f} ms\nDDP overhead {change:+.1f}% (noise allows {low:+.1f}% to {high:+.1f}%); "
+    print(f"world size 1, {setting}:\n  plain step {ms(plain_times)}\n  DDP step   {ms(ddp_times)}\n"
+          f"DDP overhead {change:+.1f}% (noise allows {low:+.1f}% to {high:+.1f}%); "
           f"the target of at most {target:g}%: "
           + ("met" if high <= target else "missed" if low > target
              else f"inconclusive (the noise straddles {target:g}%)"))
