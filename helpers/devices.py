@@ -92,14 +92,31 @@ def default_backend(world_size: int | None = None, gpus: int | None = None) -> s
     return "gloo"
 
 
+# What a CPU rank on a GPU machine gets: the GPUs hidden, and gloo named, see `cpu_ranks_env`.
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "COOKBOOK_BACKEND": "gloo"}
+
+
+def cpu_ranks_env(world_size: int, gpus: int) -> dict[str, str]:
+    """The environment for a demo's ranks: `CPU_ONLY_ENV` when they run on CPU although the machine has GPUs.
+
+    Why hide the GPUs: with more ranks than GPUs the ranks compute on CPU with gloo, but a process that can see a
+    GPU makes torch's own code take "CUDA is available" to mean "these tensors are on CUDA": PowerSGD's hook calls
+    `torch.cuda.synchronize(bucket.device)` whenever `torch.cuda.is_available()`, which raises for a CPU bucket
+    (tests/test_ddp_measure.py reproduces it); DCP's writer creates a CUDA stream, and with it a CUDA context on
+    GPU 0, in every CPU rank that saves. A CPU rank that cannot see a GPU is a CPU rank all the way down.
+    Why COOKBOOK_BACKEND too: `launch` picks the workers' backend from the kernel's view of the machine, so a
+    world-size-1 launch on a one-GPU machine says "nccl" even where the env hides the GPU, and a helper worker's
+    `rank_device()` would then pick a cuda:0 that the rank cannot see. Ranks that each have a GPU keep them.
+    """
+    return dict(CPU_ONLY_ENV) if 0 < gpus < world_size else {}
+
+
 def placement(world_size: int, gpus: int) -> dict:
     """Where `world_size` ranks on this node run when it has `gpus` GPUs, and the line a notebook prints about it.
 
     NCCL gives each rank a GPU of its own and refuses two ranks on one GPU, so the ranks get GPUs only when there
     are enough for all; otherwise every rank runs on the CPU with gloo, with the GPUs hidden from it
-    (CUDA_VISIBLE_DEVICES=""): a CPU rank that can see a GPU makes torch's own code take "CUDA is available" for
-    "these tensors are on CUDA" (PowerSGD's hook synchronises CUDA for CPU buckets; DCP's writer creates a CUDA
-    stream, and with it a CUDA context on GPU 0, in every CPU rank that saves).
+    (`cpu_ranks_env`).
     Returns {"on_gpus": bool, "backend": "nccl" or "gloo", "env": for `launch(env=...)`, "text": the line}.
     """
     on_gpus = 1 <= world_size <= gpus
@@ -111,7 +128,7 @@ def placement(world_size: int, gpus: int) -> dict:
     else:
         text = f"{world_size} ranks, gloo on the CPU (no GPU here)"
     return {"on_gpus": on_gpus, "backend": "nccl" if on_gpus else "gloo",
-            "env": {"CUDA_VISIBLE_DEVICES": ""} if gpus and not on_gpus else {}, "text": text}
+            "env": cpu_ranks_env(world_size, gpus), "text": text}
 
 
 def rank_device():

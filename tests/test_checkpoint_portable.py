@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from helpers.devices import gpu_count
 from helpers.launcher import launch
-from helpers.measure.ddp import cpu_ranks_env
+from helpers.devices import cpu_ranks_env
 from helpers.paths import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))

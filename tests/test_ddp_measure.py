@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import helpers
+from helpers import devices
 from helpers.data import Split
 from helpers.measure import ddp as measure_ddp
 from helpers.measure.ddp import (CommCounter, PayloadCounter, accuracy, bucket_limits, bucket_plan,
@@ -113,7 +114,7 @@ def test_counters_against_real_ddp():
     start_iter = 2
     # CPU ranks on any machine: a visible GPU would make torch's PowerSGD hook synchronize CUDA for a CPU bucket
     results = helpers.launch(_count_in_ddp, caps, start_iter, world_size=2, timeout=120, quiet=True,
-                             env=measure_ddp.CPU_ONLY_ENV)
+                             env=devices.CPU_ONLY_ENV)
     model = DigitsMLP(hidden=128, depth=3)
     shapes = [tuple(p.shape) for p in model.parameters()]
     for buckets, sent in results:
@@ -200,10 +201,10 @@ def test_powersgd_hook_synchronizes_cuda_for_a_cpu_bucket_when_a_gpu_is_visible(
 
 def test_cpu_ranks_hide_the_gpus_only_when_ranks_outnumber_them():
     hidden = {"CUDA_VISIBLE_DEVICES": "", "COOKBOOK_BACKEND": "gloo"}
-    assert measure_ddp.cpu_ranks_env(world_size=2, gpus=1) == hidden == measure_ddp.CPU_ONLY_ENV
-    assert measure_ddp.cpu_ranks_env(world_size=4, gpus=2) == hidden
-    assert measure_ddp.cpu_ranks_env(world_size=2, gpus=2) == {}  # a GPU per rank: NCCL, GPUs kept
-    assert measure_ddp.cpu_ranks_env(world_size=2, gpus=0) == {}  # nothing to hide
+    assert devices.cpu_ranks_env(world_size=2, gpus=1) == hidden == devices.CPU_ONLY_ENV
+    assert devices.cpu_ranks_env(world_size=4, gpus=2) == hidden
+    assert devices.cpu_ranks_env(world_size=2, gpus=2) == {}  # a GPU per rank: NCCL, GPUs kept
+    assert devices.cpu_ranks_env(world_size=2, gpus=0) == {}  # nothing to hide
 
 
 def test_cpu_ranks_env_makes_a_one_rank_launch_on_a_gpu_machine_a_cpu_rank(monkeypatch):
@@ -215,7 +216,7 @@ def test_cpu_ranks_env_makes_a_one_rank_launch_on_a_gpu_machine_a_cpu_rank(monke
     monkeypatch.setattr(helpers.devices, "gpu_count", lambda: 1)  # the kernel's view of a one-GPU machine
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     assert plan(1, None, None, None, None)[2]["COOKBOOK_BACKEND"] == "nccl", "a rank with the GPU: NCCL"
-    worker_env = plan(1, None, None, measure_ddp.cpu_ranks_env(world_size=4, gpus=1), None)[2]
+    worker_env = plan(1, None, None, devices.cpu_ranks_env(world_size=4, gpus=1), None)[2]
     assert worker_env["CUDA_VISIBLE_DEVICES"] == ""
     for key in ("COOKBOOK_BACKEND", "LOCAL_WORLD_SIZE"):
         monkeypatch.setenv(key, worker_env[key])
@@ -232,7 +233,7 @@ def _sees_cuda():
 
 def test_cpu_ranks_env_reaches_the_workers():
     for world_size in (1, 2):
-        seen = helpers.launch(_sees_cuda, world_size=world_size, timeout=60, env=measure_ddp.CPU_ONLY_ENV)
+        seen = helpers.launch(_sees_cuda, world_size=world_size, timeout=60, env=devices.CPU_ONLY_ENV)
         assert all(s == {"visible": "", "available": False, "device": "cpu"} for s in seen)
 
 
@@ -330,7 +331,7 @@ def test_demo_ranks_decides_where_notebooks_02_and_02b_run(capsys):
     on_gpus = measure_ddp.demo_ranks(2, {"gpus": 2, "cores": 16}, 64, "gpu")
     assert on_gpus == (True, {}, "2 GPU ranks, NCCL")
     one_gpu = measure_ddp.demo_ranks(2, {"gpus": 1, "cores": 16}, 64, "cpu")  # more ranks than GPUs: CPU, GPU hidden
-    assert one_gpu.gpu_ranks is False and one_gpu.env == measure_ddp.CPU_ONLY_ENV
+    assert one_gpu.gpu_ranks is False and one_gpu.env == devices.CPU_ONLY_ENV
     assert one_gpu.where.startswith("2 CPU ranks, gloo (this machine has 1 GPU")
     crowded = measure_ddp.demo_ranks(4, {"gpus": 0, "cores": 2}, 64, "smoke")
     assert crowded.env == {} and "WARNING: 4 CPU ranks on 2 cores" in capsys.readouterr().out

@@ -31,7 +31,7 @@ def test_under_torchrun_the_local_world_size_decides(nccl_built, monkeypatch):
 
 def test_one_gpu_two_ranks_run_on_cpu_with_the_gpu_hidden_and_say_so():
     two = devices.placement(2, gpus=1)
-    assert (two["on_gpus"], two["backend"], two["env"]) == (False, "gloo", {"CUDA_VISIBLE_DEVICES": ""})
+    assert (two["on_gpus"], two["backend"], two["env"]) == (False, "gloo", devices.CPU_ONLY_ENV)
     assert "gloo on the CPU" in two["text"] and "1 GPU" in two["text"]
     one = devices.placement(1, gpus=1)
     assert (one["on_gpus"], one["backend"], one["env"]) == (True, "nccl", {})
@@ -41,7 +41,7 @@ def test_eight_gpus_give_each_rank_its_own_gpu_up_to_eight_ranks():
     for world in (2, 4, 8):
         assert devices.placement(world, gpus=8) | {"text": ""} == {"on_gpus": True, "backend": "nccl", "env": {},
                                                                  "text": ""}
-    assert devices.placement(16, gpus=8)["env"] == {"CUDA_VISIBLE_DEVICES": ""}
+    assert devices.placement(16, gpus=8)["env"] == devices.CPU_ONLY_ENV
 
 
 def test_without_gpus_nothing_is_hidden():

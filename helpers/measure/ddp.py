@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from helpers.devices import cpu_ranks_env
+
 MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's default bucket_cap_mb
 
@@ -222,23 +224,6 @@ def expected_payload(shapes: list[tuple[int, ...]], method: str, rank: int | Non
 # ----------------------------------------------------------------------------------------------- CPU ranks
 
 
-# The environment of a rank that must run on CPU with gloo on any machine: no GPU visible, and the backend that the
-# helpers' `default_backend`/`rank_device` answer in the worker set to match (see `cpu_ranks_env`).
-CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "COOKBOOK_BACKEND": "gloo"}
-
-
-def cpu_ranks_env(world_size: int, gpus: int) -> dict[str, str]:
-    """The environment for a demo's ranks: `CPU_ONLY_ENV` when they run on CPU although the machine has GPUs.
-
-    Why hide the GPUs: with more ranks than GPUs the ranks compute on CPU with gloo, but a process that can see a
-    GPU makes torch's own code take "CUDA is available" to mean "these tensors are on CUDA": PowerSGD's hook calls
-    `torch.cuda.synchronize(bucket.device)` whenever `torch.cuda.is_available()`, which raises for a CPU bucket
-    (tests/test_ddp_measure.py reproduces it). A CPU rank that cannot see a GPU is a CPU rank all the way down.
-    Why COOKBOOK_BACKEND too: `launch` picks the workers' backend from the kernel's view of the machine, so a
-    world-size-1 launch on a one-GPU machine says "nccl" even where the env hides the GPU, and a helper worker's
-    `rank_device()` would then pick a cuda:0 that the rank cannot see. Ranks that each have a GPU keep them.
-    """
-    return dict(CPU_ONLY_ENV) if 0 < gpus < world_size else {}
 
 
 # The sizes notebooks 02 and 02b share, by SIZE: (HIDDEN, DEPTH) of the DigitsMLP trained to accuracy, (BIG_HIDDEN,
@@ -255,7 +240,7 @@ GPU_OVERHEAD_MODEL = {"smoke": (2048, 4, 512), "cpu": (2048, 4, 512), "gpu": (81
 
 class DemoRanks(NamedTuple):
     """Where a DDP notebook's multi-rank demos run: `gpu_ranks` (a GPU per rank: NCCL), the workers' `env`
-    (GPUs hidden from CPU ranks, see `cpu_ranks_env`) and `where`, the sentence the verdicts print."""
+    (GPUs hidden from CPU ranks, see `helpers.devices.cpu_ranks_env`) and `where`, the sentence the verdicts print."""
     gpu_ranks: bool
     env: dict
     where: str
