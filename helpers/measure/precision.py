@@ -535,7 +535,7 @@ def scaler_table(grads: dict, log: list[dict], rows: int = 10) -> str:
 
 
 def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce_in, shard, policies: dict, steps: int,
-                     record=contextlib.nullcontext, peak=contextlib.nullcontext) -> dict:
+                     record=contextlib.nullcontext, peak=contextlib.nullcontext, lr: float = 1e-3) -> dict:
     """Runs in every rank: DDP with bf16 autocast, its gradients all-reduced by the notebook's hook in fp32 then
     in bf16; then FSDP2 under each of `policies` ({name: (MixedPrecisionPolicy, checkpoint blocks?)}). Every
     variant starts from the same weights (seed 0) and sees the same batches (each rank its own).
@@ -547,7 +547,7 @@ def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce
     `record()` (a collective log with `.summary()`) and, for FSDP2, `peak()` (with `.peak` bytes). Returns per
     variant: losses, the loss's dtype, the collectives ('hook' for DDP), the peak; for FSDP2 also the dtype the
     first block computes in and the dtype the weights are kept in. A rank uses its GPU where every local rank has
-    one (NCCL), else the CPU with gloo.
+    one (NCCL), else the CPU with gloo. `lr`: AdamW's learning rate.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -556,7 +556,7 @@ def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce
     device = init_distributed()
     try:
         return _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak,
-                             device, init_device_mesh(device.type, (dist.get_world_size(),)), DDP)
+                             device, init_device_mesh(device.type, (dist.get_world_size(),)), DDP, lr)
     finally:
         import gc
 
@@ -582,14 +582,14 @@ def wire_table(rows: list[tuple[str, str, int]]) -> str:
 
 
 def _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak, device,
-                  mesh, DDP) -> dict:
+                  mesh, DDP, lr) -> dict:
     """The variants of `amp_and_sharding`, inside a function so that every model is freed when it returns."""
     import torch.distributed as dist
 
     out = {}
 
     def run(name, model, dtype=torch.float32, log_peak=False):
-        opt, g = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.Generator().manual_seed(dist.get_rank())
+        opt, g = torch.optim.AdamW(model.parameters(), lr=lr), torch.Generator().manual_seed(dist.get_rank())
         losses, comm, live = [], None, None
         for step in range(steps):
             x, y = (t.to(device) for t in get_batch(g))
