@@ -132,6 +132,62 @@ def test_time_precisions_trains_every_mode_from_the_same_start():
     assert amp_bench.cudnn_benchmark_effect([8]) is None  # no cuDNN on a CPU
 
 
+def test_time_precisions_sets_each_modes_fp32_precision_in_the_worker_and_restores_it():
+    # What the fp32 baseline ran with is decided inside time_precisions (the worker), not in the kernel: every
+    # step of a mode, forward and backward, sees that mode's setting; the process's setting is restored after.
+    # The flags are process-wide (ATen's global context), so the CPU sees what a GPU's cuBLAS would read.
+    seen = []
+
+    def make_model():
+        return torch.nn.Linear(4, 2)
+
+    def get_batch(g):
+        return torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+
+    def train_step(model, opt, scaler, x, y, dtype):
+        at_call = torch.backends.cuda.matmul.fp32_precision
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.register_hook(lambda grad: seen.append(("backward", torch.backends.cuda.matmul.fp32_precision)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append((at_call, torch.backends.cuda.matmul.fp32_precision))
+        return loss.detach()
+
+    before = amp_bench.fp32_settings()
+    modes = {"fp32": {"dtype": torch.float32, "fp32_precision": "ieee"},
+             "tf32": {"dtype": torch.float32, "fp32_precision": "tf32"}}
+    out = amp_bench.time_precisions(train_step, make_model, get_batch, modes, steps=3, warmup=1, mlp_shape=(8, 4, 8),
+                                    ceiling_n=8, empty_cache_of="fp32")
+    steps = [s for s in seen if s[0] != "backward"]
+    assert steps == [("ieee", "ieee"), ("tf32", "tf32")] * 3
+    assert [s[1] for s in seen if s[0] == "backward"] == ["ieee", "tf32"] * 3
+    assert amp_bench.fp32_settings() == before
+    assert set(out["fp32_settings"]["fp32"].values()) == {"ieee"}
+    assert set(out["fp32_settings"]["tf32"].values()) == {"tf32"}
+    assert out["empty_cache"] is None  # no caching allocator to empty on a CPU
+
+
+def test_empty_cache_cost_bills_the_emptied_step_itself():
+    # The emptying opens the emptied step, inside its timing; the plain step of each pair comes first, so the step
+    # after an emptied one is a plain step of the same model (its blocks back in the cache), never another mode's.
+    import time
+
+    events = []
+
+    def step():
+        events.append("step")
+
+    def empty():
+        events.append("empty")
+        time.sleep(0.02)
+
+    cost = amp_bench.empty_cache_cost(step, torch.device("cpu"), pairs=4, empty=empty)
+    assert events == ["step", "empty", "step"] * 4
+    assert len(cost["plain_s"]) == len(cost["emptied_s"]) == 3  # the first pair is the warm-up
+    assert all(t >= 0.02 for t in cost["emptied_s"])  # a sleep lasts at least its length: a bound load cannot flip
+
+
 def test_autocast_tables_on_the_cpu():
     tables = amp_bench.autocast_tables("cpu")
     assert set(tables) == {"cpu bf16", "cpu fp16"}
@@ -194,3 +250,25 @@ def test_wire_rows_take_the_hook_for_ddp_and_the_collective_log_for_fsdp():
     assert rows == [("DDP, bfloat16 all-reduce: all-reduce", "bfloat16", 2048),
                     (f"FSDP2 fp32: {ALL_GATHER}", "float32", 4096), (f"FSDP2 fp32: {REDUCE_SCATTER}", "float32", 1024)]
     assert amp_bench.wire_table(rows[:1]) == f"{rows[0][0]:<46}   0.002 MiB per step and rank, bfloat16"
+
+
+def test_notebook_05_full_size_gpu_model_has_over_100m_parameters():
+    # Issue 13 asks for the speed-up on a model of at least 100M parameters at GPU full size: the parameters cell's
+    # GPU_SIZES, built (on the meta device: shapes only) with the GPT and vocabulary of scripts/train_amp.py.
+    import importlib.util
+    import json
+
+    from helpers.paths import NOTEBOOKS, SCRIPTS
+
+    nb = json.loads((NOTEBOOKS / "05_mixed_precision.ipynb").read_text())
+    cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
+    params: dict = {}
+    exec("".join(cell["source"]), params)
+    spec = importlib.util.spec_from_file_location("train_amp_for_test", SCRIPTS / "train_amp.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    _, vocab = recipe.char_corpus()
+    sizes = params["GPU_SIZES"]
+    with torch.device("meta"):
+        model = recipe.GPT(vocab, sizes["d_model"], sizes["n_layers"], sizes["n_heads"], sizes["seq_len"])
+    assert sum(p.numel() for p in model.parameters()) >= 100e6

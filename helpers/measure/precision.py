@@ -252,19 +252,58 @@ def hardware_formats(device: torch.device) -> dict:
             "bf16": c["bf16_hardware"], "fp16": c["fp16_hardware"], "tf32": False}
 
 
+def fp32_settings() -> dict[str, str]:
+    """The TF32 settings in force now, as 'home.name' -> value: only the names `fp32_matmul_precision` sets, so
+    reading them never mixes the legacy and the new API (which raises once a new one is set)."""
+    backends = torch.backends
+    labels = [(backends.cuda.matmul, "cuda.matmul"), (getattr(backends.cudnn, "conv", None), "cudnn.conv"),
+              (backends.cudnn, "cudnn"), (getattr(backends.mkldnn, "matmul", None), "mkldnn.matmul")]
+    return {f"{next((label for obj, label in labels if obj is home), type(home).__name__)}.{name}":
+            str(getattr(home, name)) for home, name in _tf32_settings()}
+
+
+def empty_cache_cost(step, device: torch.device, pairs: int, empty=None) -> dict[str, list[float]]:
+    """Seed 001's "clear the GPU memory periodically", priced: `pairs` pairs of one training step as usual and
+    one that starts with `torch.cuda.empty_cache()`, both timed (`step_seconds`), the first pair left out.
+
+    Why pairs of the same model's steps, and the emptying at the start of a step: `empty_cache()` costs nothing
+    itself; the price is paid by whichever step next allocates, which must `cudaMalloc` every block again. Emptied
+    at the end of a step inside an interleaved benchmark, it would bill the next mode (the fp32 baseline) and
+    inflate every speed-up. Here the emptied step pays its own re-allocation, and the plain step after it finds
+    the cache refilled with blocks of exactly its sizes. `empty`: the call that empties (a test passes its own).
+    """
+    empty = empty or torch.cuda.empty_cache
+    out = {"plain_s": [], "emptied_s": []}
+
+    def emptied():
+        empty()
+        return step()
+
+    for _ in range(pairs):
+        out["plain_s"].append(step_seconds(step, device)[1])
+        out["emptied_s"].append(step_seconds(emptied, device)[1])
+    return {k: v[1:] for k, v in out.items()}
+
+
 def time_precisions(train_step, make_model, get_batch, modes: dict[str, dict], steps: int, warmup: int,
-                    mlp_shape: tuple[int, int, int], ceiling_n: int = 512, seed: int = 0) -> dict:
+                    mlp_shape: tuple[int, int, int], ceiling_n: int = 512, empty_cache_of: str | None = None,
+                    lr: float = 1e-3, seed: int = 0) -> dict:
     """Train one model per mode from the same weights on the same batches, steps interleaved, and time each step.
 
     Runs in a worker. The notebook's plain pieces do the training: `make_model()` (on the CPU), `get_batch(g)`
     -> (x, y) from a torch.Generator, `train_step(model, opt, scaler, x, y, dtype)` -> loss. Each mode is a
-    dict: `dtype` (the autocast dtype, float32 for none), `fp32_precision` ('ieee' or 'tf32'), optional
-    `compile` (torch.compile the model) and `empty_cache` (torch.cuda.empty_cache() after every step). fp16
-    gets a GradScaler. Interleaving (one step of every mode in turn) makes a noisy neighbour slow every mode
-    alike, so a per-step ratio against the first mode is a ratio taken side by side. The matmul throughput per
-    format is measured in the same process: the ceiling a step's speed-up is bounded by, at the model's MLP
-    shape `mlp_shape` (tokens, d, 4d) and at a large square (`ceiling_n`).
+    dict: `dtype` (the autocast dtype, float32 for none), `fp32_precision` ('ieee' or 'tf32', set here in the
+    worker around each of the mode's steps, and restored after), optional `compile` (torch.compile the model).
+    fp16 gets a GradScaler. Interleaving (one step of every mode in turn) makes a noisy neighbour slow every mode
+    alike, so a per-step ratio against the first mode is a ratio taken side by side. The first `warmup` steps of
+    every mode (compilation, autotuning, the allocator's first blocks) are left out of `times` and `ratios`.
+    The matmul throughput per format is measured in the same process: the ceiling a step's speed-up is bounded
+    by, at the model's MLP shape `mlp_shape` (tokens, d, 4d) and at a large square (`ceiling_n`).
+    `lr`: AdamW's learning rate. `empty_cache_of`: on a GPU, the mode whose model then prices
+    `torch.cuda.empty_cache()` (`empty_cache_cost`).
     """
+    import warnings
+
     device = precision_device()
     runs = {}
     for name, mode in modes.items():
@@ -273,34 +312,42 @@ def time_precisions(train_step, make_model, get_batch, modes: dict[str, dict], s
         parameters = sum(p.numel() for p in model.parameters())
         if mode.get("compile"):
             model = torch.compile(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
         scaler = torch.amp.GradScaler(device.type, enabled=mode["dtype"] == torch.float16)
-        runs[name] = {"model": model, "opt": opt, "scaler": scaler, "losses": [], "times": []}
+        runs[name] = {"model": model, "opt": opt, "scaler": scaler, "losses": [], "times": [], "settings": None}
+
+    def step_of(name, x, y):
+        r = runs[name]
+        return lambda: train_step(r["model"], r["opt"], r["scaler"], x, y, modes[name]["dtype"])
+
     g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = (t.to(device) for t in get_batch(g))
-        for name, r in runs.items():
-            mode = modes[name]
-
-            def step():
-                loss = train_step(r["model"], r["opt"], r["scaler"], x, y, mode["dtype"])
-                if mode.get("empty_cache") and device.type == "cuda":
-                    torch.cuda.empty_cache()
-                return loss
-
-            with fp32_matmul_precision(mode["fp32_precision"]):
-                loss, seconds = step_seconds(step, device)
-            r["times"].append(seconds)
-            r["losses"].append(float(loss))
+    with warnings.catch_warnings():
+        # Inductor advises TF32 when it compiles an fp32 model with TF32 off: here that is the point of the run.
+        warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores.*")
+        for _ in range(steps):
+            x, y = (t.to(device) for t in get_batch(g))
+            for name, r in runs.items():
+                with fp32_matmul_precision(modes[name]["fp32_precision"]):
+                    r["settings"] = r["settings"] or fp32_settings()
+                    loss, seconds = step_seconds(step_of(name, x, y), device)
+                r["times"].append(seconds)
+                r["losses"].append(float(loss))
+        empty_cache = None
+        if empty_cache_of is not None and device.type == "cuda":
+            x, y = (t.to(device) for t in get_batch(g))
+            with fp32_matmul_precision(modes[empty_cache_of]["fp32_precision"]):
+                empty_cache = {"mode": empty_cache_of,
+                               **empty_cache_cost(step_of(empty_cache_of, x, y), device, steps - warmup + 1)}
     first = next(iter(modes))
     times = {n: r["times"][warmup:] for n, r in runs.items()}
-    dtype_of = {n: (m["dtype"], m["fp32_precision"]) for n, m in modes.items()
-                if not m.get("compile") and not m.get("empty_cache")}
+    dtype_of = {n: (m["dtype"], m["fp32_precision"]) for n, m in modes.items() if not m.get("compile")}
     return {
         "device": str(device), "hardware": hardware_formats(device), "parameters": parameters,
         "losses": {n: r["losses"] for n, r in runs.items()}, "times": times,
         "first_step_s": {n: r["times"][0] for n, r in runs.items()},
         "ratios": {n: [a / b for a, b in zip(times[first], t)] for n, t in times.items()},
+        "fp32_settings": {n: r["settings"] for n, r in runs.items()},
+        "empty_cache": empty_cache,
         "flops_model": matmul_flops(device, dtype_of, *mlp_shape),
         "flops_square": matmul_flops(device, dtype_of, ceiling_n, ceiling_n, ceiling_n),
         "errors": {n: matmul_error(device, dt, n=256, precision=p) for n, (dt, p) in dtype_of.items()},
@@ -488,7 +535,7 @@ def scaler_table(grads: dict, log: list[dict], rows: int = 10) -> str:
 
 
 def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce_in, shard, policies: dict, steps: int,
-                     record=contextlib.nullcontext, peak=contextlib.nullcontext) -> dict:
+                     record=contextlib.nullcontext, peak=contextlib.nullcontext, lr: float = 1e-3) -> dict:
     """Runs in every rank: DDP with bf16 autocast, its gradients all-reduced by the notebook's hook in fp32 then
     in bf16; then FSDP2 under each of `policies` ({name: (MixedPrecisionPolicy, checkpoint blocks?)}). Every
     variant starts from the same weights (seed 0) and sees the same batches (each rank its own).
@@ -500,7 +547,7 @@ def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce
     `record()` (a collective log with `.summary()`) and, for FSDP2, `peak()` (with `.peak` bytes). Returns per
     variant: losses, the loss's dtype, the collectives ('hook' for DDP), the peak; for FSDP2 also the dtype the
     first block computes in and the dtype the weights are kept in. A rank uses its GPU where every local rank has
-    one (NCCL), else the CPU with gloo.
+    one (NCCL), else the CPU with gloo. `lr`: AdamW's learning rate.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -509,7 +556,7 @@ def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce
     device = init_distributed()
     try:
         return _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak,
-                             device, init_device_mesh(device.type, (dist.get_world_size(),)), DDP)
+                             device, init_device_mesh(device.type, (dist.get_world_size(),)), DDP, lr)
     finally:
         import gc
 
@@ -535,14 +582,14 @@ def wire_table(rows: list[tuple[str, str, int]]) -> str:
 
 
 def _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak, device,
-                  mesh, DDP) -> dict:
+                  mesh, DDP, lr) -> dict:
     """The variants of `amp_and_sharding`, inside a function so that every model is freed when it returns."""
     import torch.distributed as dist
 
     out = {}
 
     def run(name, model, dtype=torch.float32, log_peak=False):
-        opt, g = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.Generator().manual_seed(dist.get_rank())
+        opt, g = torch.optim.AdamW(model.parameters(), lr=lr), torch.Generator().manual_seed(dist.get_rank())
         losses, comm, live = [], None, None
         for step in range(steps):
             x, y = (t.to(device) for t in get_batch(g))
