@@ -272,3 +272,71 @@ def test_notebook_05_full_size_gpu_model_has_over_100m_parameters():
     with torch.device("meta"):
         model = recipe.GPT(vocab, sizes["d_model"], sizes["n_layers"], sizes["n_heads"], sizes["seq_len"])
     assert sum(p.numel() for p in model.parameters()) >= 100e6
+
+
+def test_warnings_of_returns_the_messages_of_one_category_each_time():
+    import warnings
+
+    def warn():
+        warnings.warn("old name", FutureWarning)
+        warnings.warn("other", UserWarning)
+
+    assert amp_bench.warnings_of(warn, FutureWarning) == ["old name"]
+    assert amp_bench.warnings_of(warn, FutureWarning) == ["old name"], "shown again: the 'always' filter"
+    assert amp_bench.warnings_of(warn) == ["old name", "other"]
+
+
+def _speedup(median, low, high):
+    return {"median": median, "low": low, "high": high}
+
+
+def test_print_speed_claims_prints_one_verdict_per_claim(capsys):
+    speedup = {"bf16": _speedup(2.5, 2.2, 2.8), "tf32": _speedup(1.0, 0.9, 1.1)}
+    claims = {"AMP bf16: 2-3x": ("bf16", 2, 3, True, "a GPU"), "TF32: 1.5x": ("tf32", 1.5, None, False, "an A100")}
+    amp_bench.print_speed_claims(claims, speedup, {"bf16": 4.0, "tf32": 1.0}, "this CPU")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    verdict = amp_bench.speedup_verdict(2.5, 2, 3, True, 4.0, reason="a GPU; this CPU", spread=(2.2, 2.8))
+    assert lines[0] == f"{'AMP bf16: 2-3x':<30}" + verdict
+    assert "not comparable here" in lines[1] and "an A100; this CPU" in lines[1]
+
+
+def test_print_h100_targets_says_what_was_not_measured_and_where_it_applies(capsys):
+    amp_bench.print_h100_targets({"bf16": _speedup(5.0, 4.8, 5.2)}, {"bf16": 4.5, "bf16 + compile": 6.5},
+                                 "NVIDIA A100-SXM4-80GB")
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.startswith("bf16 over eager fp32 (TF32 off), target 4.5x on an H100: ")
+    assert "not comparable here" in first and "A100" in first
+    assert second == "bf16 + compile over eager fp32 (TF32 off), target 6.5x on an H100: not measured (COMPILE=False)"
+    amp_bench.print_h100_targets({"bf16": _speedup(5.0, 4.8, 5.2)}, {"bf16": 4.5}, "NVIDIA H100 80GB HBM3")
+    assert "not comparable" not in capsys.readouterr().out
+
+
+def test_headline_speedups_skips_the_baseline_and_reports_every_ceiling(capsys):
+    speedup = {"fp32": _speedup(1.0, 1.0, 1.0), "bf16": _speedup(2.0, 1.9, 2.1)}
+    amp_bench.headline_speedups(speedup, {"fp32": 1e12, "bf16": 4e12}, 384)
+    assert capsys.readouterr().out.splitlines() == ["bf16 step speed-up over fp32: 2 x",
+                                                    "fp32 matmul throughput, 384³: 1 TFLOP/s",
+                                                    "bf16 matmul throughput, 384³: 4 TFLOP/s"]
+
+
+def test_print_empty_cache_cost_reads_the_pairs_as_ratios(capsys):
+    amp_bench.print_empty_cache_cost({"mode": "bf16", "plain_s": [1.0] * 5, "emptied_s": [1.5] * 5})
+    out = capsys.readouterr().out
+    assert out.startswith("empty_cache before every step (bf16, 5 pairs): step time 1.50x of the plain step's")
+    assert "noise allows 1.50-1.50x" in out
+
+
+def test_wire_halving_judges_each_variant_on_counted_bytes():
+    from helpers.measure.comm_log import ALL_GATHER, REDUCE_SCATTER
+
+    def comm(gather, scatter):
+        return {"comm": {ALL_GATHER: {"bytes": gather}, REDUCE_SCATTER: {"bytes": scatter}}}
+
+    variants = {"DDP, float32 all-reduce": {"hook": {"all-reduce": {"bytes": 400}}},
+                "DDP, bfloat16 all-reduce": {"hook": {"all-reduce": {"bytes": 200}}},
+                "FSDP2 fp32": comm(800, 400), "FSDP2 bf16 params, fp32 reduce": comm(400, 400)}
+    lines = amp_bench.wire_halving(variants, n_params=100).splitlines()
+    assert [line.split(" -> ")[1] for line in lines] == ["not reduced: does not hold", "halved: holds",
+                                                         "halved: holds", "not reduced: does not hold"]
+    assert lines[1] == f"  {'DDP + autocast + bf16 comm hook':<40} 0.50x -> halved: holds"

@@ -620,3 +620,75 @@ def _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies,
         r = run(name, model, log_peak=True)
         r["compute"], r["weights"] = seen["compute"], str(model.head.weight.to_local().dtype)
     return out
+
+
+# ---- Printing notebook 05's verdicts and headlines: one call per table, so the notebook keeps the claims and asserts
+# ---- in view and this module keeps the loops that format them.
+
+def warnings_of(fn, category: type[Warning] = Warning) -> list[str]:
+    """The messages of the warnings of `category` that calling `fn()` emits, each shown even if shown before (the
+    'always' filter): how notebook 05 lets torch itself say that a spelling is deprecated or an argument missing."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if issubclass(w.category, category)]
+
+
+def print_speed_claims(speed_claims: dict, speedup: dict, ceiling: dict, where: str) -> None:
+    """One `speedup_verdict` line per claim, {label: (mode, low, high, comparable here, the claim's setting)},
+    with the mode's measured median, its interval and its matmul ceiling; `where` describes this machine."""
+    for label, (m, low, high, comparable, setting) in speed_claims.items():
+        s = speedup[m]
+        print(f"{label:<30}" + speedup_verdict(s["median"], low, high, comparable, ceiling[m],
+                                               reason=f"{setting}; {where}", spread=(s["low"], s["high"])))
+
+
+def print_h100_targets(speedup: dict, targets: dict[str, float], gpu_name: str) -> None:
+    """The project's speed-up targets for an H100 ({mode: target x over eager fp32}) as verdicts with their noise,
+    never asserted; a mode left out of the run (no `COMPILE`) says so, another GPU is 'not comparable here'."""
+    for m, target in targets.items():
+        s = speedup.get(m)
+        print(f"{m} over eager fp32 (TF32 off), target {target}x on an H100: " + ("not measured (COMPILE=False)" if s
+              is None else claims.verdict(s["median"], target, None, unit="x", spread=(s["low"], s["high"]),
+                                          applicable=("H100" in gpu_name),
+                                          reason=f"the target is for an H100; this GPU: {gpu_name}")))
+
+
+def headline_speedups(speedup: dict, flops_square: dict, ceiling_n: int) -> None:
+    """Headline figures of a `time_precisions` run: every mode's speed-up over the first (the fp32 baseline), and
+    the matmul throughput per format (the ceilings, for docs/measurements.md beside the speed-ups)."""
+    from helpers.measure.headline import headline
+
+    for m in list(speedup)[1:]:
+        headline(f"{m} step speed-up over fp32", speedup[m]["median"], "x")
+    for m, flops in flops_square.items():
+        headline(f"{m} matmul throughput, {ceiling_n}³", flops / 1e12, "TFLOP/s")
+
+
+def print_empty_cache_cost(ec: dict) -> None:
+    """`time_precisions`'s `empty_cache` record (GPU only: pairs of steps, the second opening with
+    `torch.cuda.empty_cache()`) as the verdict on 'empty the cache periodically': a ratio above 1 harms."""
+    cost = ratio_with_noise([a / b for a, b in zip(ec["emptied_s"], ec["plain_s"])])
+    print(f"empty_cache before every step ({ec['mode']}, {len(ec['plain_s'])} pairs): step time {cost['median']:.2f}x "
+          f"of the plain step's -> 'harms': "
+          + claims.verdict(cost["median"], 1.0, None, spread=(cost["low"], cost["high"]), unit="x")
+          + f" (noise allows {cost['low']:.2f}-{cost['high']:.2f}x)")
+
+
+def wire_halving(variants: dict, n_params: int) -> str:
+    """Seed 001's 'communication falls by 50%' judged on one rank's `amp_and_sharding` bytes, one line per way of
+    mixing precision: the bytes relative to fp32 (DDP: `4 * n_params` per all-reduce; FSDP2: the fp32 policy's
+    collective) and whether that halves them. Bytes are counted, not timed: no noise enters."""
+    from helpers.measure.comm_log import ALL_GATHER, REDUCE_SCATTER
+
+    ddp = {w: variants[f"DDP, {w} all-reduce"]["hook"]["all-reduce"]["bytes"] for w in ("float32", "bfloat16")}
+    f32, f16 = variants["FSDP2 fp32"]["comm"], variants["FSDP2 bf16 params, fp32 reduce"]["comm"]
+    gathered, scattered = (f16[k]["bytes"] / f32[k]["bytes"] for k in (ALL_GATHER, REDUCE_SCATTER))
+    return "\n".join(f"  {label:<40} {ratio:.2f}x -> "
+                     + ("halved: holds" if ratio <= 0.5 else "not reduced: does not hold")
+                     for label, ratio in (("DDP + autocast (default all-reduce)", ddp["float32"] / (4 * n_params)),
+                                          ("DDP + autocast + bf16 comm hook", ddp["bfloat16"] / (4 * n_params)),
+                                          ("FSDP2 policy, all-gather", gathered),
+                                          ("FSDP2 policy, reduce-scatter (fp32)", scattered)))
