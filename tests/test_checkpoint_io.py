@@ -47,9 +47,9 @@ def test_state_bytes_counts_the_local_shard_of_a_dtensor():
 def test_summarize_costs_takes_the_slowest_rank_and_ratios_side_by_side():
     fast = dict(zip(disk.OPS, ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.5, 0.5, 0.5], [2.0, 2.0, 2.0], [1.0] * 3)))
     slow = dict(zip(disk.OPS, ([1.0, 2.0, 1.0], [4.0, 2.0, 2.0], [0.5, 1.0, 0.2], [2.0, 2.0, 2.0], [1.0] * 3)))
-    s = disk.summarize_costs([{"times": fast, "held_bytes": 100, "on_disk": 210},
-                              {"times": slow, "held_bytes": 100, "on_disk": None}])
-    assert s["state_bytes"] == 200 and s["on_disk"] == 210
+    s = disk.summarize_costs([{"times": fast, "held_bytes": 100, "on_disk": 210, "device": "cpu"},
+                              {"times": slow, "held_bytes": 100, "on_disk": None, "device": "cpu"}])
+    assert s["state_bytes"] == 200 and s["on_disk"] == 210 and s["device"] == "cpu" and s["world_size"] == 2
     assert s["seconds"]["dcp.save"] == [4.0, 2.0, 2.0]
     assert s["ratios"]["save_vs_disk"]["values"] == [0.25, 1.0, 0.5]  # disk seconds / save seconds, per repeat
     assert s["ratios"]["blocking_share"]["values"] == [0.125, 0.5, 0.25]
@@ -98,14 +98,69 @@ def test_checkpoint_layout_lists_chunks_files_and_counts_every_tensor_once(tmp_p
 
 def test_costs_table_warns_only_when_ranks_outnumber_cores():
     summary = {"state_bytes": 2 << 20, "on_disk": 2 << 20, "median_s": {"dcp.save": 0.5}, "rate": {"dcp.save": 4 << 20},
-               "seconds": {"dcp.save": [0.4, 0.5, 0.75]}}
-    table = disk.costs_table(summary, "cpu", 3, 2, 2)
+               "seconds": {"dcp.save": [0.4, 0.5, 0.75]}, "device": "cpu", "world_size": 2}
+    table = disk.costs_table(summary, 3, 2)
     assert "2 MiB of tensors over 2 rank(s)" in table and "500.0 ms" in table and "WARNING" not in table
     assert "500.0 ms (400.0-750.0)" in table, "the spread of the repeats beside the median"
-    assert "WARNING: 3 ranks on 2 cores" in disk.costs_table(summary, "cpu", 3, 3, 2)
+    assert "WARNING: 3 ranks on 2 cores" in disk.costs_table({**summary, "world_size": 3}, 3, 2)
 
 
 def test_bench_ranks_measure_cuda_state_wherever_there_is_a_gpu():
     assert disk.bench_ranks(2, 1) == 1  # one GPU: the notebook's 2 CPU ranks would measure no CUDA staging
     assert disk.bench_ranks(8, 8) == 8 and disk.bench_ranks(4, 8) == 4  # a rank per GPU, as many as asked
     assert disk.bench_ranks(2, 0) == 2  # no GPU: the notebook's CPU ranks
+
+
+def test_record_headlines_names_both_ratios(capsys):
+    disk.record_headlines({"ratios": {"save_vs_disk": {"median": 0.8}, "blocking_share": {"median": 0.25}}})
+    out = capsys.readouterr().out  # outside a kernel, headline prints
+    assert "dcp.save throughput / disk write+fsync rate: 0.8 x" in out
+    assert "async_save blocking / sync save time: 0.25 x" in out
+
+
+def test_whole_checkpoint_reads_a_dcp_folder_in_one_process(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    state = {"app": {"w": torch.arange(6.0).view(2, 3), "step": 3}}
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    whole = disk.whole_checkpoint(tmp_path / "ckpt", tmp_path / "whole.pt")
+    assert (tmp_path / "whole.pt").exists() and whole["app"]["step"] == 3
+    torch.testing.assert_close(whole["app"]["w"], state["app"]["w"], rtol=0, atol=0)
+
+
+def _save_a_then_die(root, tag):
+    torch.save({"tag": tag, "name": "A"}, f"{root}/state_A.pt")
+    torch.save({"tag": tag, "name": "B"}, f"{root}/state_B.pt")
+    raise RuntimeError("died saving B")
+
+
+def _load(folder):
+    if folder.endswith("torn"):
+        raise RuntimeError("cannot load a torn checkpoint")
+    return {"step": 2, "folder": folder}
+
+
+def test_crash_then_load_keeps_both_states_and_what_loaded(tmp_path, monkeypatch, capsys):
+    from helpers import launcher
+    from helpers.launcher.errors import RankFailure, WorkerError
+
+    calls = []
+
+    def fake_launch(fn, *args, world_size, timeout, env=None, quiet=False):
+        calls.append((fn.__name__, args, world_size, env, quiet))
+        try:
+            return [fn(*args)]
+        except RuntimeError as error:
+            failure = RankFailure(rank=world_size - 1, kind="exception", message=str(error))
+            raise WorkerError(failure, [failure]) from None
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    good = disk.crash_then_load(_save_a_then_die, _load, tmp_path / "ok", lambda root: root / "newest", "x",
+                                world_size=2, timeout=5, env={"E": "1"})
+    assert "ok: the save of B crashed (died saving B, rank 1)" in capsys.readouterr().out
+    assert good["step"] == 2 and good["folder"] == str(tmp_path / "ok" / "newest")
+    assert good["A"] == {"tag": "x", "name": "A"} and good["B"]["name"] == "B"
+    assert calls[0] == ("_save_a_then_die", (str(tmp_path / "ok"), "x"), 2, {"E": "1"}, True)
+    assert calls[1][2:] == (1, None, True), "the load: one process, the kernel's environment"
+    bad = disk.crash_then_load(_save_a_then_die, _load, tmp_path / "bad", lambda root: root / "torn", "y",
+                               world_size=2, timeout=5)
+    assert bad["error"] == "cannot load a torn checkpoint" and bad["A"]["tag"] == "y"

@@ -147,6 +147,8 @@ def summarize_costs(results: list[dict]) -> dict:
 
     - `save_vs_disk`: dcp.save's rate over the disk's fsync'd write rate (1 = the save runs at the disk's speed),
     - `blocking_share`: how long async_save blocked the caller, over a synchronous save's time.
+
+    It keeps where the state lived (`device`, rank 0's) and how many ranks held it (`world_size`) beside the figures.
     """
     import statistics
 
@@ -156,6 +158,7 @@ def summarize_costs(results: list[dict]) -> dict:
               "blocking_share": [b / s for b, s in zip(slowest["async_save (blocking)"], slowest["dcp.save"])]}
     total = sum(r["held_bytes"] for r in results)
     return {"state_bytes": total, "on_disk": results[0]["on_disk"], "seconds": slowest,
+            "device": results[0]["device"], "world_size": len(results),
             "median_s": {op: statistics.median(v) for op, v in slowest.items()},
             "rate": {op: total / statistics.median(v) for op, v in slowest.items()},
             "ratios": {k: {"median": statistics.median(v), "interval": median_interval(v), "values": v}
@@ -194,8 +197,9 @@ def layout_text(layout: dict) -> str:
     return "\n".join(lines)
 
 
-def costs_table(summary: dict, device: str, repeats: int, world_size: int, cores: int) -> str:
+def costs_table(summary: dict, repeats: int, cores: int) -> str:
     """`summarize_costs`'s medians and rates as a table, with a warning where the ranks outnumber the cores."""
+    device, world_size = summary["device"], summary["world_size"]
     lines = [f"{summary['state_bytes'] / 2 ** 20:.0f} MiB of tensors over {world_size} rank(s) on {device}, "
              f"{summary['on_disk'] / 2 ** 20:.0f} MiB on disk; {repeats} repeats, slowest rank"]
     lines.append(f"  {'':<28} median (min-max of the repeats), rate at the median")
@@ -205,3 +209,45 @@ def costs_table(summary: dict, device: str, repeats: int, world_size: int, cores
     if world_size > cores:
         lines.append(f"WARNING: {world_size} ranks on {cores} cores: the rates measure the scheduler as much as the disk")
     return "\n".join(lines)
+
+
+def record_headlines(summary: dict) -> None:
+    """`summarize_costs`' two ratios as headline figures (`helpers.headline`), which the run summary table collects
+    across notebooks and machines. Why here: the names and units must stay the same from run to run, so they are
+    written once, beside the summary that computes them."""
+    from helpers.measure.headline import headline
+    headline("dcp.save throughput / disk write+fsync rate", summary["ratios"]["save_vs_disk"]["median"], "x")
+    headline("async_save blocking / sync save time", summary["ratios"]["blocking_share"]["median"], "x")
+
+
+def whole_checkpoint(folder: str | os.PathLike, file: str | os.PathLike) -> dict:
+    """A DCP folder read whole by one process: `dcp_to_torch_save(folder, file)`, then `torch.load(file)`.
+
+    Why here: notebook 06 shows that conversion once, then compares whole checkpoints of several runs (resumed
+    against uninterrupted, written at one world size against loaded at another); the two calls per comparison are
+    plumbing, not the lesson."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(folder, file)
+    return torch.load(file)
+
+
+def crash_then_load(save, load, root: Path, newest, *args, world_size: int, timeout: float, env=None) -> dict:
+    """Launch `save(str(root), *args)` on `world_size` ranks, a save meant to die part-way, then `load` on one
+    process on `newest(root)` (the folder a resuming run would pick). Returns what `load` returned, or
+    `{"error": message}` when the checkpoint did not even load, with the two states the save kept aside where no
+    crash can take them (`root/state_A.pt`, `root/state_B.pt`) under "A" and "B".
+
+    Why here: notebook 06 runs this twice (saving in place, saving with the commit protocol); the launches, the
+    expected failures and the bookkeeping are plumbing, the crashing writer and the verdict on what loaded stay in
+    the notebook."""
+    from helpers.launcher import WorkerError, launch
+    root.mkdir()
+    try:
+        launch(save, str(root), *args, world_size=world_size, timeout=timeout, env=env, quiet=True)
+    except WorkerError as failure:
+        print(f"{root.name}: the save of B crashed ({failure.message}, rank {failure.rank})")
+    try:  # the newest checkpoint, loaded (and resharded) by one process
+        newest_state = launch(load, str(newest(root)), world_size=1, timeout=timeout, quiet=True)[0]
+    except WorkerError as failure:  # a torn checkpoint may also fail to load at all
+        newest_state = {"error": failure.message}
+    return {"A": torch.load(root / "state_A.pt"), "B": torch.load(root / "state_B.pt"), **newest_state}
