@@ -27,6 +27,15 @@ def index_of(cells: list, text: str) -> int:
     return next(i for i, c in enumerate(cells) if text in "".join(c["source"]))
 
 
+def run(tmp_path, mode: str, seconds: float, *notebooks: tuple[str, ...]) -> tuple[Session, bool, list[dict]]:
+    """Write each (name, *cell sources) as a notebook, run them all within `seconds`: the session, whether every
+    one ran clean, and the records summary.json holds."""
+    paths = [write_notebook(tmp_path / f"{name}.ipynb", *sources) for name, *sources in notebooks]
+    session = Session(tmp_path / "out", mode, f"budget_run {mode}")
+    ok = run_notebooks(session, paths, time.monotonic() + seconds)
+    return session, ok, json.loads((session.out / "summary.json").read_text())
+
+
 def executed(session: Session, name: str) -> dict:
     with tarfile.open(session.out / f"{session.mode}.tar.gz") as tar:
         return json.load(tar.extractfile(f"{session.mode}-executed/{name}.{session.mode}.ipynb"))
@@ -34,15 +43,14 @@ def executed(session: Session, name: str) -> dict:
 
 @pytest.mark.timeout(180)
 def test_cells_after_an_error_still_run_and_figures_are_kept(tmp_path):
-    nb = write_notebook(
-        tmp_path / "01_errors.ipynb",
+    session, ok, records = run(tmp_path, "smoke", 150, (
+        "01_errors",
         "print('smoke is', SMOKE)",
         "raise ValueError('cell two fails')",
         "from helpers.measure.headline import headline\nheadline('answer', 42.0, 'units')",
-    )
-    session = Session(tmp_path / "out", "smoke", "budget_run smoke")
-    assert run_notebooks(session, [nb], time.monotonic() + 150) is False
-    record = json.loads((session.out / "summary.json").read_text())[-1]
+    ))
+    record = records[-1]
+    assert ok is False
     cells = executed(session, "01_errors")["cells"]
     assert record["status"] == "ran"
     assert [(c["cell"], c["ename"]) for c in record["failing_cells"]] == [(index_of(cells, "raise"), "ValueError")]
@@ -53,17 +61,13 @@ def test_cells_after_an_error_still_run_and_figures_are_kept(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_a_hanging_notebook_is_stopped_at_the_budget_and_leaves_nothing_running(tmp_path):
-    nb = write_notebook(
-        tmp_path / "02_hangs.ipynb",
+    session, ok, records = run(tmp_path, "full", 25, (
+        "02_hangs",
         "import subprocess\nchild = subprocess.Popen(['sleep', '600'], start_new_session=True)\nprint('pid', child.pid)",
         "import time\ntime.sleep(600)",
         "print('never reached')",
-    )
-    later = write_notebook(tmp_path / "03_later.ipynb", "print('later')")
-    session = Session(tmp_path / "out", "full", "budget_run full")
-    started = time.monotonic()
-    assert run_notebooks(session, [nb, later], started + 25) is False
-    records = json.loads((session.out / "summary.json").read_text())
+    ), ("03_later", "print('later')"))
+    assert ok is False
     cells = executed(session, "02_hangs")["cells"]
     assert records[0]["status"].startswith("stopped at the budget")
     assert [(c["cell"], c["ename"]) for c in records[0]["failing_cells"]] == [(index_of(cells, "sleep(600)"),
