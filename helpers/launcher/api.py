@@ -30,6 +30,7 @@ import tempfile
 import uuid
 
 from helpers import devices
+from helpers.launcher import payload
 from helpers.launcher.output import RankPanels, RankStream
 from helpers.launcher.progress import RUN_DIR_VAR, ProgressDisplay
 from helpers.launcher.rendezvous import loopback_environment
@@ -166,10 +167,7 @@ def plan(world_size: int, backend: str | None, start_method: str | None, env: di
 
 def _write_launch(run_dir: str, fn, args, kwargs, worker_env: dict, threads: int, rendezvous: str) -> None:
     """The launch's folder holds what every worker reads after it starts: the payload and the kernel's state."""
-    import cloudpickle
-
-    with open(os.path.join(run_dir, "payload.pkl"), "wb") as f:
-        cloudpickle.dump((fn, args, kwargs), f)
+    payload.dump((fn, args, kwargs), os.path.join(run_dir, "payload.pkl"))
     spec = {"env": worker_env, "cwd": os.getcwd(), "sys_path": list(sys.path), "threads": threads,
             "loopback_store": rendezvous == "file"}
     with open(os.path.join(run_dir, "spec.pkl"), "wb") as f:

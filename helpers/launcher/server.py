@@ -76,7 +76,7 @@ def installation_fingerprint() -> dict:
     here = Path(__file__).resolve().parent
     return {"python": os.path.realpath(sys.executable),
             "torch": stamp(torch_dir / "version.py") if torch_dir else None,
-            "launcher": [stamp(here / name) for name in ("server.py", "worker.py")]}
+            "launcher": [stamp(here / name) for name in ("server.py", "worker.py", "payload.py")]}
 
 
 # ---------------------------------------------------------------------------------------------- kernel side

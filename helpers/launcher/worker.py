@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 
+from helpers.launcher import payload
 from helpers.launcher.progress import PROGRESS_FD_VAR, report_outcome
 
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
@@ -194,10 +195,7 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
             if not rendezvous.install(run_dir):
                 print("helpers.launch: torch's rendezvous registry changed; env:// uses TCPStore "
                       "(listening on all interfaces)", file=sys.stderr)
-        import cloudpickle
-
-        with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
-            fn, args, kwargs = cloudpickle.load(f)
+        fn, args, kwargs = payload.load(os.path.join(run_dir, "payload.pkl"))
         _publish_in_main(fn)
     except BaseException as exc:  # noqa: BLE001 - a broken start must still be reported
         _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 
+from helpers.launcher import payload
 from helpers.launcher.api import DEFAULT_TIMEOUT, _start, _validate, _write_launch, default_world_size, plan
 from helpers.launcher.errors import WorkerError
 from helpers.launcher.progress import ProgressDisplay, _send_line
@@ -149,8 +150,6 @@ class Workers:
         if supervision is None:
             raise WorkersStopped(f"these workers were stopped ({self.stopped_because}); call .restart() or create "
                                  "new Workers")
-        import cloudpickle
-
         call = next(self._calls)
         call_dir = os.path.join(supervision.run_dir, f"call.{call}")
         os.mkdir(call_dir)
@@ -158,8 +157,7 @@ class Workers:
             name = f"<distributed cell {call}>"
             linecache.cache[name] = (len(request[1]), None, request[1].splitlines(True), name)
             request = ("source", request[1], name)
-        with open(os.path.join(call_dir, "call.pkl"), "wb") as f:
-            cloudpickle.dump(request, f)
+        payload.dump(request, os.path.join(call_dir, "call.pkl"))
         for slot in supervision.slots:
             slot.done = False
             slot.out.stream, slot.err.stream = sys.stdout, sys.stderr  # this cell's output
@@ -231,7 +229,6 @@ def _rank_globals(namespace: dict, fn, owned: set) -> dict:
 
 def serve_calls() -> None:
     """The function a persistent rank runs: take calls from the command pipe until the kernel closes it."""
-    import cloudpickle
     import types
 
     from helpers.launcher import rendezvous
@@ -252,8 +249,7 @@ def serve_calls() -> None:
         before = dict(namespace)  # taken again once the kernel's globals are in: what changes after is the rank's
         kept: list = []
         try:
-            with open(os.path.join(call_dir, "call.pkl"), "rb") as f:
-                request = cloudpickle.load(f)
+            request = payload.load(os.path.join(call_dir, "call.pkl"))
             if request[0] == "function":
                 _, fn, args, kwargs = request
                 if isinstance(fn, types.FunctionType):
