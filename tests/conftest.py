@@ -1,4 +1,4 @@
-"""No test may leave a process behind; launcher tests also must leave signal handlers and environment as they were.
+"""No test may leave a process behind (nor may anything a worker started: see `processes_left`); launcher tests also must leave signal handlers and environment as they were.
 
 The launcher's fork-server is the one process allowed to outlive a test (it is started once and reused, as in a
 kernel); its workers are not. It is started before the first test, so no launch's timing includes its start, and
@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -68,4 +69,27 @@ def cell_interrupted_after(seconds: float):
     finally:
         timer.cancel()
         timer.join()
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def cell_interrupted_when(condition, timeout: float):
+    """A cell interrupt as soon as `condition()` holds (looked at every 0.05 s, for at most `timeout` seconds)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop = threading.Event()
+
+    def interrupt_when_ready():
+        deadline = time.monotonic() + timeout
+        while not stop.wait(0.05):
+            if condition() or time.monotonic() > deadline:
+                _thread.interrupt_main()
+                return
+
+    watcher = threading.Thread(target=interrupt_when_ready, daemon=True)
+    try:
+        watcher.start()
+        yield
+    finally:
+        stop.set()
+        watcher.join()
         signal.signal(signal.SIGINT, previous)

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import cell_interrupted_after
+from conftest import cell_interrupted_after, cell_interrupted_when
 import torch
 import torch.distributed as dist
 
@@ -641,3 +641,89 @@ def test_a_cells_class_can_be_pickled_by_name_in_the_workers():
          "print(helpers.launch(work, world_size=2, timeout=120))\n"],
         capture_output=True, text=True, timeout=300)
     assert kernel.stdout.strip().splitlines()[-1] == "[True, True]", kernel.stdout + kernel.stderr
+
+
+# ------------------------------------------------------------------ nothing a rank started outlives the launch
+def _starts_descendants(pid_dir: str):
+    """A worker body's first lines: a plain subprocess, one in a session of its own, and an orphan (its parent
+    exits at once, so it is re-parented); their pids go to `pid_dir`."""
+    import subprocess
+    import sys
+
+    plain = subprocess.Popen(["sleep", "300"])
+    detached = subprocess.Popen(["sleep", "301"], start_new_session=True)
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess; print(subprocess.Popen(['sleep', '302'], "
+                               "start_new_session=True, stdout=subprocess.DEVNULL).pid)"],
+                              stdout=subprocess.PIPE, text=True)
+    orphan = int(parent.communicate()[0])
+    with open(os.path.join(pid_dir, f"pids.{os.environ['RANK']}.tmp"), "w") as f:
+        f.write(f"{plain.pid} {detached.pid} {orphan}")
+    os.replace(os.path.join(pid_dir, f"pids.{os.environ['RANK']}.tmp"),
+               os.path.join(pid_dir, f"pids.{os.environ['RANK']}"))
+
+
+def _assert_every_descendant_ended(pid_dir, world_size: int = 2) -> None:
+    import psutil
+
+    pids = [int(p) for rank in range(world_size) for p in (pid_dir / f"pids.{rank}").read_text().split()]
+    assert len(pids) == 3 * world_size, "every rank started its three processes"
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+             and "sleep" in psutil.Process(p).name()]
+    assert not alive, f"a rank's subprocesses outlived it: {alive}"
+    assert not server_module.processes_left()
+
+
+def test_what_a_rank_started_ends_with_it_after_success(tmp_path):
+    def work(pid_dir):
+        _starts_descendants(pid_dir)
+        return "done"
+
+    assert launch(work, str(tmp_path), world_size=2, timeout=120) == ["done", "done"]
+    _assert_every_descendant_ended(tmp_path)
+
+
+def test_what_a_rank_started_ends_with_it_after_a_failure(tmp_path):
+    def work(pid_dir):
+        _starts_descendants(pid_dir)
+        raise ValueError("failed after starting subprocesses")
+
+    with pytest.raises(WorkerError, match="failed after starting subprocesses"):
+        launch(work, str(tmp_path), world_size=2, timeout=120)
+    _assert_every_descendant_ended(tmp_path)
+
+
+def test_what_a_rank_started_ends_with_it_after_a_timeout(tmp_path):
+    def work(pid_dir):
+        _starts_descendants(pid_dir)
+        time.sleep(600)
+
+    with pytest.raises(LaunchTimeout):
+        launch(work, str(tmp_path), world_size=2, timeout=15)
+    _assert_every_descendant_ended(tmp_path)
+
+
+def test_what_a_rank_started_ends_with_it_after_an_interrupt(tmp_path):
+    def work(pid_dir):
+        _starts_descendants(pid_dir)
+        time.sleep(600)
+
+    with cell_interrupted_when(lambda: all((tmp_path / f"pids.{r}").exists() for r in range(2)), 120), \
+            pytest.raises(KeyboardInterrupt):
+        launch(work, str(tmp_path), world_size=2, timeout=300)
+    _assert_every_descendant_ended(tmp_path)
+
+
+def test_the_leak_check_finds_a_launched_process_that_escaped_every_tree():
+    """A process re-parented to init is out of the kernel's tree; its environment still says who launched it."""
+    from helpers.launcher.sessions import LAUNCHED_BY_VAR
+
+    quiet = "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL"  # no pipe of ours held open by it
+    parent = subprocess.run(
+        [sys.executable, "-c", f"import subprocess; print(subprocess.Popen(['sleep', '303'], "
+         f"start_new_session=True, {quiet}).pid)"], env={**os.environ, LAUNCHED_BY_VAR: str(os.getpid())},
+        capture_output=True, text=True, timeout=60)
+    escaped = int(parent.stdout)
+    try:
+        assert escaped in [p.pid for p in server_module.processes_left()]
+    finally:
+        os.kill(escaped, signal.SIGKILL)

@@ -34,7 +34,7 @@ from helpers.launcher import payload
 from helpers.launcher.output import RankPanels, RankStream
 from helpers.launcher.progress import RUN_DIR_VAR, ProgressDisplay
 from helpers.launcher.rendezvous import loopback_environment
-from helpers.launcher.sessions import stop_sessions
+from helpers.launcher.sessions import LAUNCHED_BY_VAR, stop_sessions
 from helpers.launcher.supervise import RankSlot, Supervision
 
 DEFAULT_TIMEOUT = 300.0
@@ -110,7 +110,7 @@ def torchrun_environment(world_size: int, backend: str, threads: int) -> dict[st
         "ROLE_WORLD_SIZE": str(world_size), "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": uuid.uuid4().hex[:12], "OMP_NUM_THREADS": str(threads),
-        "COOKBOOK_BACKEND": backend,
+        "COOKBOOK_BACKEND": backend, LAUNCHED_BY_VAR: str(os.getpid()),
     }
 
 

@@ -41,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 
+from helpers.launcher import sessions
+
 # Imported once in the server, so a forked worker finds them already loaded. Importing runs no torch op and
 # starts no thread (checked by a test that reads /proc/<server pid>/task).
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp",
@@ -76,7 +78,7 @@ def installation_fingerprint() -> dict:
     here = Path(__file__).resolve().parent
     return {"python": os.path.realpath(sys.executable),
             "torch": stamp(torch_dir / "version.py") if torch_dir else None,
-            "launcher": [stamp(here / name) for name in ("server.py", "worker.py", "payload.py")]}
+            "launcher": [stamp(here / name) for name in ("server.py", "worker.py", "payload.py", "sessions.py")]}
 
 
 # ---------------------------------------------------------------------------------------------- kernel side
@@ -263,12 +265,14 @@ def current_server() -> ForkServer | None:
 
 
 def processes_left() -> list:
-    """This process's descendants other than the fork-server (which stays between launches): after a launch has
-    returned, or a `Workers` was closed, this is empty unless something escaped."""
+    """This process's descendants other than the fork-server (which stays between launches), and whatever its
+    launches started that escaped the tree (re-parented to init): after a launch has returned, or a `Workers` was
+    closed, this is empty unless something outlived it."""
     import psutil
 
     server = current_server()
     left = [p for p in psutil.Process().children(recursive=True) if server is None or p.pid != server.pid]
+    left += [p for p in sessions.launched_by(os.getpid()) if p not in left]
     if left:  # a worker's exit is reaped by the server a moment after the launch returns
         psutil.wait_procs(left, timeout=2)
         left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -299,6 +303,7 @@ def serve(fd: int) -> None:
     """The server's main loop: fork on request, report exits, and end everything when the kernel goes."""
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupts are for the kernel
+    sessions.become_subreaper()  # what a killed worker started comes here, not to init, and is ended (_reap)
     for name in PRELOAD:
         try:
             __import__(name)
@@ -345,17 +350,17 @@ def _reap(sock: socket.socket, children: dict) -> None:
         except ChildProcessError:
             return
         if pid == 0:
-            return
-        children.pop(pid, None)
-        _send(sock, {"op": "exited", "pid": pid, "exitcode": os.waitstatus_to_exitcode(status)})
+            break
+        if children.pop(pid, None) is not None:  # not an adopted orphan: a worker, whose exit the kernel awaits
+            _send(sock, {"op": "exited", "pid": pid, "exitcode": os.waitstatus_to_exitcode(status)})
+    sessions.kill_orphans(set(children))  # a worker that died left them; their own exits come back here
 
 
 def _end(children: dict) -> None:
     """The kernel closed its end (or died): no worker may outlive it."""
-    from helpers.launcher.sessions import signal_session
-
     for pid in children:
-        signal_session(pid, signal.SIGKILL)
+        sessions.signal_session(pid, signal.SIGKILL)
+    sessions.kill_orphans(set(children))
     deadline = time.monotonic() + 5
     while children and time.monotonic() < deadline:
         try:

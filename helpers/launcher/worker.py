@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 
-from helpers.launcher import payload
+from helpers.launcher import payload, sessions
 from helpers.launcher.progress import PROGRESS_FD_VAR, report_outcome
 
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
@@ -105,14 +105,8 @@ def _error_record(rank: int, exc: BaseException, tb: str) -> dict:
 
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: be killed if the kernel dies (a kernel restart is a SIGKILL: its `finally` never runs)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    if sessions.prctl(sessions.PR_SET_PDEATHSIG, signal.SIGKILL) and os.getppid() != parent_pid:
+        os._exit(1)  # the parent died before prctl took effect
 
 
 def _call_keeping_locals(fn, args, kwargs, kept: list):
@@ -163,6 +157,7 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
             except PermissionError:  # spawned with start_new_session: already a session leader
                 pass
         _die_with_parent(parent_pid)
+        sessions.become_subreaper()  # what the rank starts stays in its tree, to be ended with it
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _line_buffered_std_streams()
@@ -200,7 +195,7 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
     except BaseException as exc:  # noqa: BLE001 - a broken start must still be reported
         _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
         report_outcome("error")
-        os._exit(1)
+        _exit(1)
 
     kept: list = []
     try:
@@ -224,12 +219,21 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
             exit_code = 0
     finally:
         kept.clear()  # fn's objects are freed now, as at the end of a torchrun script: files flush, temp dirs go
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(exit_code)
+        _exit(exit_code)
+
+
+def _exit(code: int) -> None:
+    """End what the rank started (its subprocesses, DataLoader workers, compile pools), flush, and exit."""
+    try:
+        sessions.end_descendants()
+    except Exception:  # noqa: BLE001 - psutil missing: the launcher's session kill still reaches the session
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
 
 
 def spawn_main(run_dir: str, rank: int, progress_fd: int, command_fd: int | None = None) -> None:
