@@ -28,6 +28,7 @@ import socket
 import sys
 import tempfile
 import uuid
+from dataclasses import dataclass
 
 from helpers import devices
 from helpers.launcher import payload
@@ -41,6 +42,9 @@ DEFAULT_TIMEOUT = 300.0
 # Seconds a rank that has written its result (or error) gets to exit. Past that it is stuck freeing what its
 # function made (see `worker`): it is stopped, its result kept, and an ExitHangWarning shows where it was.
 EXIT_GRACE_S = 10.0
+# Seconds the peers of a failed rank get to fail on their own (their own error, or their stack) before they are
+# stopped.
+FAILURE_GRACE_S = 3.0
 START_METHODS = ("forkserver", "spawn")
 
 
@@ -80,9 +84,13 @@ def default_threads(world_size: int, env: dict) -> int:
         return max(1, devices.usable_cores() // world_size)
 
 
-def _validate(fn, world_size, backend, timeout, rendezvous, threads) -> None:
+def require_callable(fn, caller: str = "launch") -> None:
     if not callable(fn):
-        raise TypeError(f"launch needs a callable to run on every rank, got {type(fn).__name__}: {fn!r}")
+        raise TypeError(f"{caller} needs a callable to run on every rank, got {type(fn).__name__}: {fn!r}")
+
+
+def validate_options(world_size, backend, timeout, rendezvous, threads) -> None:
+    """Refuse a launch's options before anything starts, each with what to pass instead."""
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {world_size!r}")
     if world_size < 1:
@@ -116,7 +124,7 @@ def torchrun_environment(world_size: int, backend: str, threads: int) -> dict[st
 
 def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TIMEOUT, backend: str | None = None,
            start_method: str | None = None, rendezvous: str = "file", env: dict | None = None,
-           failure_grace: float = 3.0, quiet: bool = False, threads: int | None = None, **kwargs) -> list:
+           failure_grace: float = FAILURE_GRACE_S, quiet: bool = False, threads: int | None = None, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` processes on this host; return their results ordered by rank.
 
     backend: what `helpers.default_backend()` answers in the workers (None: NCCL when every rank can have a GPU
@@ -131,19 +139,15 @@ def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TI
     Raises WorkerError (root cause first), LaunchTimeout (with each stuck rank's stack), or KeyboardInterrupt
     (after stopping every worker) if the cell is interrupted.
     """
-    world_size = default_world_size() if world_size is None else world_size
-    _validate(fn, world_size, backend, timeout, rendezvous, threads)
-    method, user_env, worker_env, threads = plan(world_size, backend, start_method, env, threads)
+    require_callable(fn)
+    launch_plan = LaunchPlan.make(world_size, backend=backend, start_method=start_method, env=env, threads=threads,
+                                  timeout=timeout, rendezvous=rendezvous, failure_grace=failure_grace)
     out_stream = open(os.devnull, "w") if quiet else sys.stdout
     err_stream = open(os.devnull, "w") if quiet else sys.stderr
     try:
         with tempfile.TemporaryDirectory(prefix="cookbook-launch-") as run_dir:
-            worker_env[RUN_DIR_VAR] = run_dir
-            _write_launch(run_dir, fn, args, kwargs, worker_env, threads, rendezvous)
-            supervision = Supervision(run_dir, [], timeout, failure_grace, EXIT_GRACE_S,
-                                      ProgressDisplay(world_size))
+            supervision = launch_plan.start(run_dir, fn, args, kwargs, out_stream, err_stream)
             try:
-                _start(supervision, method, world_size, user_env, worker_env, out_stream, err_stream)
                 return supervision.run()
             finally:
                 supervision.finish()
@@ -151,6 +155,53 @@ def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TI
         if quiet:
             out_stream.close()
             err_stream.close()
+
+
+@dataclass
+class LaunchPlan:
+    """A start of ranks, decided before anything starts: what `launch` and `Workers` both begin from.
+
+    `make` validates the options and fixes the environments (the kernel's as of now, torchrun's, a fresh port and
+    run id); `start` writes the launch into a folder, starts the ranks and hands back their `Supervision`.
+    """
+    world_size: int
+    method: str  # 'forkserver' or 'spawn'
+    user_env: dict  # the kernel's environment with the launch's extras: what a fork-server must match
+    worker_env: dict  # what every rank's environment is (RANK and LOCAL_RANK aside)
+    threads: int
+    rendezvous: str
+    timeout: float
+    failure_grace: float
+    exit_grace: float
+
+    @classmethod
+    def make(cls, world_size: int | None = None, *, backend: str | None = None, start_method: str | None = None,
+             env: dict | None = None, threads: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+             rendezvous: str = "file", failure_grace: float = FAILURE_GRACE_S) -> "LaunchPlan":
+        """The options as `launch` documents them, validated (ValueError or TypeError before anything starts)."""
+        world_size = default_world_size() if world_size is None else world_size
+        validate_options(world_size, backend, timeout, rendezvous, threads)
+        method, user_env, worker_env, threads = plan(world_size, backend, start_method, env, threads)
+        return cls(world_size, method, user_env, worker_env, threads, rendezvous, timeout, failure_grace,
+                   EXIT_GRACE_S)
+
+    def start(self, run_dir: str, fn, args: tuple, kwargs: dict, out_stream, err_stream,
+              command_fds: dict[int, int] | None = None) -> Supervision:
+        """Write `fn(*args, **kwargs)` and the kernel's state into `run_dir`, start the ranks, return their
+        supervision; if the start fails, whatever started is stopped and the error raised.
+
+        command_fds: rank -> the read end of its command pipe (persistent ranks); handed over, then closed here."""
+        worker_env = {**self.worker_env, RUN_DIR_VAR: run_dir}
+        _write_launch(run_dir, fn, args, kwargs, worker_env, self.threads, self.rendezvous)
+        supervision = Supervision(run_dir, [], self.timeout, self.failure_grace, self.exit_grace,
+                                  ProgressDisplay(self.world_size))
+        try:
+            _start(supervision, self.method, self.world_size, self.user_env, worker_env, out_stream, err_stream,
+                   command_fds)
+        except BaseException:
+            supervision.finish()
+            raise
+        return supervision
 
 
 def plan(world_size: int, backend: str | None, start_method: str | None, env: dict | None,

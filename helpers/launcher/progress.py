@@ -46,6 +46,11 @@ def report_outcome(outcome: str) -> None:
     _send_line({"event": "reported", "outcome": outcome})
 
 
+def report_call_done(call: int, outcome: str) -> None:
+    """A persistent rank's notice that its outcome of call number `call` is written (it then waits for the next)."""
+    _send_line({"event": "call_done", "call": call, "outcome": outcome})
+
+
 def parse_line(line: bytes) -> dict | None:
     """One line of a rank's progress pipe, or None if it is not one of ours."""
     try:

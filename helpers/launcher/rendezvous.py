@@ -61,13 +61,16 @@ def _file_env_handler(url: str, timeout=None, **kwargs):
 
 
 def install(store_dir: str) -> bool:
-    """Answer env:// from `store_dir` in this process. Returns False if torch's registry has moved."""
+    """Answer env:// from `store_dir` in this process (again with a new folder: a persistent rank's next call).
+    Returns False if torch's registry has moved."""
     import importlib
 
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function of that name
     handlers = getattr(rdzv, "_rendezvous_handlers", None)
     if not isinstance(handlers, dict) or "env" not in handlers:
         return False
+    global _calls
     os.environ[STORE_DIR_VAR] = store_dir
+    _calls = itertools.count()  # a new folder: its rendezvous are counted from the first
     handlers["env"] = _file_env_handler
     return True

@@ -55,6 +55,8 @@ SERVER_ONLY_ENV = {"OPENBLAS_NUM_THREADS": "1"}
 # but re-applied in each worker (`dist.set_debug_level_from_env`), and OMP_NUM_THREADS is applied per worker.
 IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "KMP_", "GOMP_", "MKL_", "LD_PRELOAD", "LD_LIBRARY_PATH")
 READ_LATER = ("TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_", "TORCH_FR_", "TORCHELASTIC_", "OMP_NUM_THREADS")
+# The launcher's modules a forked worker runs from the server's memory: one changed on disk, server replaced.
+WORKER_MODULES = ("server.py", "worker.py", "payload.py", "outcome.py", "sessions.py", "progress.py")
 READY_TIMEOUT_S = 300.0  # importing torch on a loaded 2-core machine can take a while
 MESSAGE_BYTES = 1 << 20
 
@@ -78,7 +80,7 @@ def installation_fingerprint() -> dict:
     here = Path(__file__).resolve().parent
     return {"python": os.path.realpath(sys.executable),
             "torch": stamp(torch_dir / "version.py") if torch_dir else None,
-            "launcher": [stamp(here / name) for name in ("server.py", "worker.py", "payload.py", "sessions.py")]}
+            "launcher": [stamp(here / name) for name in WORKER_MODULES]}
 
 
 # ---------------------------------------------------------------------------------------------- kernel side

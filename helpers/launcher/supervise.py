@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from helpers.launcher.errors import (ExitHangWarning, LaunchTimeout, RankFailure, WorkerError, annotate_stack,
                                      exit_message, root_cause)
+from helpers.launcher import outcome
 from helpers.launcher.output import RankStream, read_available
 from helpers.launcher.progress import ProgressDisplay, parse_line
 from helpers.launcher.sessions import stop_sessions
@@ -64,9 +65,11 @@ class Supervision:
     outcome_dir: str | None = None  # where results and errors are written (default: run_dir)
     _exit_fds: dict = field(default_factory=dict)  # a readable fd -> the workers whose exit it announces
 
-    def run(self) -> list:
-        """Results ordered by rank; raises WorkerError (root cause first) or LaunchTimeout."""
-        self.deadline = time.monotonic() + self.timeout
+    def run(self, timeout: float | None = None) -> list:
+        """Results ordered by rank; raises WorkerError (root cause first) or LaunchTimeout.
+
+        timeout: seconds from now (default: the supervision's own `timeout`)."""
+        self.deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         self._exit_fds = {}
         selector = selectors.DefaultSelector()
         try:
@@ -94,6 +97,41 @@ class Supervision:
         if stacks is not None:
             raise LaunchTimeout(self.timeout, stacks, sorted(self.results))
         return [self.results[slot.rank] for slot in self.slots]
+
+    def begin_call(self, call: int, call_dir: str, timeout: float, out_stream, err_stream) -> None:
+        """Persistent ranks: supervise call number `call` next, whose outcomes go to `call_dir`, from the ranks of
+        the calls before (still alive); its output goes to this cell's streams, its progress to a new display."""
+        for slot in self.slots:
+            slot.done, slot.reported_at = False, None
+            slot.out.stream, slot.err.stream = out_stream, err_stream
+        self.pump_all()  # what the ranks printed between calls
+        self.results, self.failures, self.progress = {}, {}, {}
+        self.display = ProgressDisplay(len(self.slots))
+        self.call, self.outcome_dir, self.timeout, self.first_failure_at = call, call_dir, timeout, None
+
+    def all_alive_and_done(self) -> bool:
+        """Every rank has reported the current call and is still running: ready for the next one."""
+        for slot in self.slots:
+            slot.worker.poll()
+        return all(slot.done and slot.worker.exitcode() is None for slot in self.slots)
+
+    @property
+    def pids(self) -> list[int]:
+        return [slot.worker.pid for slot in self.slots]
+
+    def signal_ranks(self, sig: int) -> None:
+        """`sig` to every rank's process (not to its session)."""
+        for slot in self.slots:
+            try:
+                os.kill(slot.worker.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait_exited(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds in all for every rank to exit on its own."""
+        deadline = time.monotonic() + timeout
+        for slot in self.slots:
+            slot.worker.wait_gone(max(0.0, deadline - time.monotonic()))
 
     def pump_all(self) -> None:
         """Show what the ranks have written so far (complete lines) and their progress."""
@@ -194,30 +232,20 @@ class Supervision:
     def _collect(self, slot: RankSlot) -> None:
         """Record what an exited (or stopped) rank left behind: a result, an exception, or only its exit code."""
         slot.done = True
-        rank = slot.rank
-        result_path, error_path = (os.path.join(self.outcome_dir or self.run_dir, f"{kind}.{rank}")
-                                   for kind in ("result", "error"))
-        if os.path.exists(result_path):
-            try:
-                with open(result_path, "rb") as f:
-                    self.results[rank] = pickle.loads(f.read())
-            except Exception as exc:  # noqa: BLE001
-                self.failures[rank] = RankFailure(rank, "TypeError", f"the return value of rank {rank} could not "
-                                                  f"be unpickled in the kernel: {type(exc).__name__}: {exc}",
-                                                  time=time.time())
-        elif os.path.exists(error_path):
-            with open(error_path, "rb") as f:
-                record = pickle.loads(f.read())
-            original = None
+        reported = outcome.read(self.outcome_dir or self.run_dir, slot.rank)
+        if reported is None:
+            self.failures[slot.rank] = self._exit_failure(slot)
+        elif reported[0] == "result":
+            self.results[slot.rank] = reported[1]
+        else:
+            record, original = reported[1], None
             if record.get("exception"):
                 try:
                     original = pickle.loads(record["exception"])
                 except Exception:  # noqa: BLE001
                     original = None
-            self.failures[rank] = RankFailure(rank, record["type"], record["message"], record["traceback"],
-                                              record["time"], original)
-        else:
-            self.failures[rank] = self._exit_failure(slot)
+            self.failures[slot.rank] = RankFailure(slot.rank, record["type"], record["message"],
+                                                   record["traceback"], record["time"], original)
 
     def _exit_failure(self, slot: RankSlot) -> RankFailure:
         """A rank that ended without a result or an exception. Its last stderr lines stand in for the traceback
@@ -246,9 +274,7 @@ class Supervision:
         """Stacks of the ranks still running, then stop them (their outcome, if any, is kept)."""
         stacks = self._take_stacks(live)
         # what they reported before being stopped counts; what they raise because they are stopped does not
-        reported = [s for s in live if any(os.path.exists(os.path.join(self.outcome_dir or self.run_dir,
-                                                                        f"{kind}.{s.rank}"))
-                                           for kind in ("result", "error"))]
+        reported = [s for s in live if outcome.reported(self.outcome_dir or self.run_dir, s.rank)]
         stop_sessions([s.worker.pid for s in live], self._gone)
         for slot in live:
             if slot in reported:

@@ -8,24 +8,19 @@ once), a faulthandler that dumps its Python stack on SIGUSR1 (how a timeout show
 it reports its return value or its exception through a file in the launch's folder, then says so on its progress
 pipe. Its function and arguments are unpickled (cloudpickle) here, after the fork, never in the server.
 
-The function's local variables outlive its return until the result is written (`_call_keeping_locals`): freeing
-them is where a finished rank can deadlock (a gloo process group whose last reference a DDP reducer drops, with
-the GIL held, while a gloo worker thread waits for the GIL to release a tensor), and a result written first
-cannot be lost to such a hang; the launcher then stops a rank that does not exit (see `launch.EXIT_GRACE_S`).
+The function's local variables outlive its return until the result is written (`outcome.call_keeping_locals`
+says why); the launcher then stops a rank that does not exit (see `api.EXIT_GRACE_S`).
 """
 from __future__ import annotations
 
 import faulthandler
-import gc
 import io
 import os
 import pickle
 import signal
 import sys
-import time
-import traceback
 
-from helpers.launcher import payload, sessions
+from helpers.launcher import outcome, payload, sessions
 from helpers.launcher.progress import PROGRESS_FD_VAR, report_outcome
 
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
@@ -62,74 +57,10 @@ def _fresh_random_state() -> None:
         torch.seed()
 
 
-def _write_atomically(path: str, data) -> None:
-    """The launcher takes a file's existence to mean it is complete: write beside it, then rename."""
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
-
-
-def _dump(path: str, record: dict) -> None:
-    _write_atomically(path, pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _result_pickler(buffer):
-    """cloudpickle (notebook-defined classes travel by value), with device tensors brought to the CPU.
-
-    A CUDA tensor unpickled in the kernel would initialise CUDA there and make every later fork unsafe.
-    """
-    import cloudpickle
-
-    class Pickler(cloudpickle.Pickler):
-        def reducer_override(self, obj):
-            torch = sys.modules.get("torch")
-            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
-                return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-            return super().reducer_override(obj)
-
-    return Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _error_record(rank: int, exc: BaseException, tb: str) -> dict:
-    record = {"rank": rank, "type": type(exc).__qualname__, "module": type(exc).__module__,
-              "message": str(exc), "traceback": tb, "time": time.time(), "exception": None}
-    if isinstance(exc, SystemExit):
-        record["message"] = f"the worker called sys.exit({exc.code!r}) instead of returning"
-    try:
-        record["exception"] = pickle.dumps(exc)
-        pickle.loads(record["exception"])
-    except Exception:
-        record["exception"] = None
-    return record
-
-
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: be killed if the kernel dies (a kernel restart is a SIGKILL: its `finally` never runs)."""
     if sessions.prctl(sessions.PR_SET_PDEATHSIG, signal.SIGKILL) and os.getppid() != parent_pid:
         os._exit(1)  # the parent died before prctl took effect
-
-
-def _call_keeping_locals(fn, args, kwargs, kept: list):
-    """`fn(*args, **kwargs)`, with fn's frame appended to `kept`: its locals stay alive until `kept` is cleared.
-
-    A profile hook catches only the first Python call (fn's own frame) and removes itself, so fn runs at full
-    speed. A frame object that is still referenced when its function returns keeps the locals (CPython copies them
-    into the frame object). The cyclic garbage collector is off from fn's return on, so no garbage fn left behind
-    is freed either: nothing fn made runs a destructor before the caller has written the result.
-    """
-    previous = sys.getprofile()
-
-    def keep_first_frame(frame, event, arg):
-        if event == "call":
-            kept.append(frame)
-            sys.setprofile(previous)
-
-    sys.setprofile(keep_first_frame)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        gc.disable()
-        sys.setprofile(previous)  # a builtin fn makes no Python call: the hook must not outlive it
 
 
 def _publish_in_main(fn) -> None:
@@ -149,7 +80,6 @@ def _publish_in_main(fn) -> None:
 
 def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, command_fd: int | None = None) -> None:
     """Entry point of every worker (forked by the server, or spawned). Never returns: ends with os._exit."""
-    exit_code = 1
     try:
         if hasattr(os, "setsid"):
             try:
@@ -193,33 +123,17 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
         fn, args, kwargs = payload.load(os.path.join(run_dir, "payload.pkl"))
         _publish_in_main(fn)
     except BaseException as exc:  # noqa: BLE001 - a broken start must still be reported
-        _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
-        report_outcome("error")
+        report_outcome(outcome.write_error(run_dir, rank, exc))
         _exit(1)
 
     kept: list = []
+    reported = "error"
     try:
-        result = _call_keeping_locals(fn, args, kwargs, kept)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are failures too
-        _dump(os.path.join(run_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
-        report_outcome("error")
-    else:
-        buffer = io.BytesIO()
-        try:
-            _result_pickler(buffer).dump(result)
-        except Exception as exc:  # noqa: BLE001
-            exc_message = (f"rank {rank} returned a value that cannot be pickled "
-                           f"({type(result).__qualname__}): {type(exc).__name__}: {exc}")
-            _dump(os.path.join(run_dir, f"error.{rank}"),
-                  _error_record(rank, TypeError(exc_message), traceback.format_exc()))
-            report_outcome("error")
-        else:
-            _write_atomically(os.path.join(run_dir, f"result.{rank}"), buffer.getbuffer())
-            report_outcome("result")
-            exit_code = 0
+        reported = outcome.call_and_write(fn, args, kwargs, run_dir, rank, kept)
+        report_outcome(reported)
     finally:
         kept.clear()  # fn's objects are freed now, as at the end of a torchrun script: files flush, temp dirs go
-        _exit(exit_code)
+        _exit(0 if reported == "result" else 1)
 
 
 def _exit(code: int) -> None:

@@ -19,27 +19,28 @@ Output a rank prints between calls (a background thread) appears at the start of
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import builtins
 import itertools
 import linecache
 import os
 import pickle
-import shlex
 import signal
 import struct
 import sys
 import tempfile
-import time
 
-from helpers.launcher import payload
-from helpers.launcher.api import DEFAULT_TIMEOUT, _start, _validate, _write_launch, default_world_size, plan
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from helpers.launcher import outcome, payload
+from helpers.launcher.api import DEFAULT_TIMEOUT, LaunchPlan, default_world_size, require_callable, validate_options
 from helpers.launcher.errors import WorkerError
-from helpers.launcher.progress import ProgressDisplay, _send_line
+from helpers.launcher.progress import report_call_done
 from helpers.launcher.supervise import Supervision
+from helpers.launcher.worker import COMMAND_FD_VAR
 
 INTERRUPT_GRACE_S = 5.0  # how long ranks get to answer a cell interrupt before they are stopped
+CLOSE_GRACE_S = 5.0  # how long ranks get to return once their command pipe is closed
 _HEADER = struct.Struct("!I")
 
 
@@ -55,7 +56,7 @@ class Workers:
     def __init__(self, world_size: int | None = None, *, backend: str | None = None, env: dict | None = None,
                  threads: int | None = None, start_method: str | None = None, timeout: float = DEFAULT_TIMEOUT):
         self.world_size = default_world_size() if world_size is None else world_size
-        _validate(print, self.world_size, backend, timeout, "file", threads)
+        validate_options(self.world_size, backend, timeout, "file", threads)
         self.timeout = timeout
         self._options = dict(backend=backend, env=env, threads=threads, start_method=start_method)
         self._supervision: Supervision | None = None
@@ -65,19 +66,15 @@ class Workers:
 
     # -- lifecycle
     def _start(self) -> None:
-        method, user_env, worker_env, threads = plan(self.world_size, **self._options)
+        """A new plan each time (the kernel's environment as of now, a fresh port), the ranks serving calls."""
+        plan = LaunchPlan.make(self.world_size, timeout=self.timeout, **self._options)
         self._dir = tempfile.TemporaryDirectory(prefix="cookbook-workers-")
-        run_dir = self._dir.name
-        worker_env["COOKBOOK_RUN_DIR"] = run_dir
-        _write_launch(run_dir, serve_calls, (), {}, worker_env, threads, "file")
         commands = {rank: os.pipe() for rank in range(self.world_size)}
         self._commands = {rank: w for rank, (_, w) in commands.items()}
-        supervision = Supervision(run_dir, [], self.timeout, 3.0, 10.0, ProgressDisplay(self.world_size))
         try:
-            _start(supervision, method, self.world_size, user_env, worker_env, sys.stdout, sys.stderr,
-                   command_fds={rank: r for rank, (r, _) in commands.items()})
+            supervision = plan.start(self._dir.name, serve_calls, (), {}, sys.stdout, sys.stderr,
+                                     command_fds={rank: r for rank, (r, _) in commands.items()})
         except BaseException:
-            supervision.finish()
             self._close_commands()
             self._dir.cleanup()
             raise
@@ -90,9 +87,7 @@ class Workers:
         if supervision is None:
             return
         self._close_commands()  # a rank reading its command pipe sees the end and returns
-        deadline = time.monotonic() + 5
-        for slot in supervision.slots:
-            slot.worker.wait_gone(max(0.0, deadline - time.monotonic()))
+        supervision.wait_exited(CLOSE_GRACE_S)
         supervision.finish()
         self._dir.cleanup()
         self.stopped_because = self.stopped_because or "closed"
@@ -123,7 +118,7 @@ class Workers:
 
     @property
     def pids(self) -> list[int]:
-        return [slot.worker.pid for slot in self._supervision.slots] if self._supervision else []
+        return self._supervision.pids if self._supervision else []
 
     def _close_commands(self) -> None:
         for fd in self._commands.values():
@@ -136,8 +131,7 @@ class Workers:
     # -- calls
     def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         """`fn(*args, **kwargs)` on every rank, in the rank's namespace; the results ordered by rank."""
-        if not callable(fn):
-            raise TypeError(f"run needs a callable to run on every rank, got {type(fn).__name__}: {fn!r}")
+        require_callable(fn, "run")
         return self._call(("function", fn, args, kwargs), timeout)
 
     def run_cell(self, source: str, timeout: float | None = None) -> list:
@@ -158,14 +152,7 @@ class Workers:
             linecache.cache[name] = (len(request[1]), None, request[1].splitlines(True), name)
             request = ("source", request[1], name)
         payload.dump(request, os.path.join(call_dir, "call.pkl"))
-        for slot in supervision.slots:
-            slot.done = False
-            slot.out.stream, slot.err.stream = sys.stdout, sys.stderr  # this cell's output
-        supervision.pump_all()  # what ranks printed between calls
-        supervision.results, supervision.failures, supervision.progress = {}, {}, {}
-        supervision.display = ProgressDisplay(self.world_size)  # drawn in this cell, not the last one
-        supervision.call, supervision.outcome_dir = call, call_dir
-        supervision.timeout, supervision.first_failure_at = timeout or self.timeout, None
+        supervision.begin_call(call, call_dir, timeout or self.timeout, sys.stdout, sys.stderr)
         message = pickle.dumps({"call": call, "dir": call_dir})
         for fd in self._commands.values():
             os.write(fd, _HEADER.pack(len(message)) + message)
@@ -185,23 +172,16 @@ class Workers:
 
     def _interrupt(self, supervision: Supervision) -> None:
         """Pass a cell interrupt on to the ranks (KeyboardInterrupt in their call); stop them if they don't end."""
-        for slot in supervision.slots:
-            try:
-                os.kill(slot.worker.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-        supervision.timeout = INTERRUPT_GRACE_S
+        supervision.signal_ranks(signal.SIGINT)
         try:
-            supervision.run()
+            supervision.run(timeout=INTERRUPT_GRACE_S)
         except (WorkerError, TimeoutError):
             pass
         self._stop_if_broken(supervision, "a cell interrupt the ranks did not answer")
 
     def _stop_if_broken(self, supervision: Supervision, why: str) -> None:
         """Ranks that did not all report this call (stopped, dead, stuck) cannot take the next one."""
-        for slot in supervision.slots:
-            slot.worker.poll()
-        if all(slot.done and slot.worker.exitcode() is None for slot in supervision.slots):
+        if supervision.all_alive_and_done():
             return
         self.stopped_because = why
         self.close()
@@ -229,10 +209,10 @@ def _rank_globals(namespace: dict, fn, owned: set) -> dict:
 
 def serve_calls() -> None:
     """The function a persistent rank runs: take calls from the command pipe until the kernel closes it."""
+    import gc
     import types
 
     from helpers.launcher import rendezvous
-    from helpers.launcher.worker import COMMAND_FD_VAR, _call_keeping_locals, _dump, _error_record, _result_pickler
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a cell interrupt ends the call, not the rank
     fd, rank = int(os.environ[COMMAND_FD_VAR]), int(os.environ["RANK"])
@@ -245,7 +225,6 @@ def serve_calls() -> None:
         message = pickle.loads(_read_exactly(fd, _HEADER.unpack(header)[0]))
         call_dir = message["dir"]
         rendezvous.install(call_dir)  # a fresh file store per call: init_process_group in every call works
-        rendezvous._calls = itertools.count()
         before = dict(namespace)  # taken again once the kernel's globals are in: what changes after is the rank's
         kept: list = []
         try:
@@ -258,42 +237,19 @@ def serve_calls() -> None:
                     bound.__kwdefaults__ = fn.__kwdefaults__
                     fn = bound
                     before = dict(namespace)
-                # the call's locals live until its result is written (see worker._call_keeping_locals)
-                result = _call_keeping_locals(fn, args, kwargs, kept)
             else:
                 _, source, name = request
                 linecache.cache[name] = (len(source), None, source.splitlines(True), name)
-                result = _run_source(source, name, namespace)
+                fn, args, kwargs = _run_source, (source, name, namespace), {}
         except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the rank stays
-            import traceback
-
-            _dump(os.path.join(call_dir, f"error.{rank}"), _error_record(rank, exc, traceback.format_exc()))
-            outcome = "error"
+            reported = outcome.write_error(call_dir, rank, exc)
         else:
-            import io
-
-            buffer = io.BytesIO()
-            try:
-                _result_pickler(buffer).dump(result)
-                _write(os.path.join(call_dir, f"result.{rank}"), buffer.getvalue())
-                outcome = "result"
-            except Exception as exc:  # noqa: BLE001
-                _dump(os.path.join(call_dir, f"error.{rank}"), _error_record(rank, TypeError(
-                    f"rank {rank} returned a value that cannot be pickled ({type(result).__qualname__}): {exc}"), ""))
-                outcome = "error"
+            reported = outcome.call_and_write(fn, args, kwargs, call_dir, rank, kept)
         finally:
-            import gc
-
             kept.clear()
-            gc.enable()  # _call_keeping_locals turns it off until the result is written
+            gc.enable()  # call_keeping_locals turns it off until the result is written
         owned |= {k for k, v in namespace.items() if k not in before or before[k] is not v}
-        _send_line({"event": "call_done", "call": message["call"], "outcome": outcome})
-
-
-def _write(path: str, data: bytes) -> None:
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
+        report_call_done(message["call"], reported)
 
 
 def _run_source(source: str, name: str, namespace: dict):
@@ -307,12 +263,13 @@ def _run_source(source: str, name: str, namespace: dict):
 
 
 # ------------------------------------------------------------------------------------------------ the magic
+@magic_arguments()
+@argument("-n", "--world-size", type=int, default=None,
+          help="ranks; other than the current Workers' (or none yet): new Workers of this size")
+@argument("--timeout", type=float, default=None, help="seconds the cell may take (default: the Workers' timeout)")
 def distributed_magic(line: str, cell: str):
     """%%distributed [-n WORLD_SIZE] [--timeout SECONDS]: run the cell on every rank of `Workers.current`."""
-    parser = argparse.ArgumentParser(prog="%%distributed", add_help=False)
-    parser.add_argument("-n", "--world-size", type=int, default=None)
-    parser.add_argument("--timeout", type=float, default=None)
-    args = parser.parse_args(shlex.split(line))
+    args = parse_argstring(distributed_magic, line)
     workers = Workers.current
     if workers is None or not workers.alive or (args.world_size and args.world_size != workers.world_size):
         if workers is not None:
