@@ -10,7 +10,6 @@ spell them out with plain PyTorch and still run under torchrun.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import shutil
@@ -18,33 +17,17 @@ import subprocess
 import sys
 
 
-@contextlib.contextmanager
-def _nvml_cuda_check():
-    """Make torch count GPUs through NVML (no CUDA context), restoring the environment afterwards."""
-    old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
-        else:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
-
-
 def gpu_count() -> int:
-    """Visible CUDA GPUs, counted without creating a CUDA context in this process."""
+    """Visible CUDA GPUs, counted without creating a CUDA context in this process.
+
+    torch.cuda.device_count() asks NVML first ("will NOT poison fork if NVML discovery succeeds", its docstring
+    says); where NVML cannot answer (PyPI's CUDA build on a machine without an NVIDIA driver) it asks the CUDA
+    runtime, still without a context."""
     import torch
 
     if not torch.backends.cuda.is_built():
         return 0
-    if torch.cuda.is_initialized():
-        return torch.cuda.device_count()
-    with _nvml_cuda_check():
-        count = torch.cuda._device_count_nvml() if hasattr(torch.cuda, "_device_count_nvml") else -1
-    # -1: NVML could not answer, as with PyPI's CUDA build on a machine without an NVIDIA driver (the default
-    # `pip install torch` on a laptop). device_count() then asks the CUDA runtime, still without a context.
-    return count if count >= 0 else torch.cuda.device_count()
+    return torch.cuda.device_count()
 
 
 def cuda_initialized() -> bool:

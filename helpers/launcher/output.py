@@ -49,9 +49,9 @@ class RankPanels:
     @classmethod
     def for_this_kernel(cls, world_size: int) -> "RankPanels | None":
         """Panels where a notebook front end may show them and ipywidgets is installed; None elsewhere."""
-        from helpers.launcher.progress import _in_notebook
+        from helpers.launcher.progress import in_notebook
 
-        if not _in_notebook():
+        if not in_notebook():
             return None
         try:
             return cls(world_size)

@@ -60,7 +60,8 @@ def parse_line(line: bytes) -> dict | None:
     return state if isinstance(state, dict) else None
 
 
-def _in_notebook() -> bool:
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (where rich displays render)."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython else None
     return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell"
@@ -85,7 +86,7 @@ class ProgressDisplay:
         if not force and now - self._last < self.min_interval:
             return False
         self._last, self._last_states = now, dict(states)
-        if _in_notebook():
+        if in_notebook():
             from IPython.display import HTML, display
 
             if self._handle is None:

@@ -63,10 +63,12 @@ def _file_env_handler(url: str, timeout=None, **kwargs):
 def install(store_dir: str) -> bool:
     """Answer env:// from `store_dir` in this process (again with a new folder: a persistent rank's next call).
     Returns False if torch's registry has moved."""
-    import importlib
+    from helpers import torch_private
 
-    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function of that name
-    handlers = getattr(rdzv, "_rendezvous_handlers", None)
+    try:
+        handlers = torch_private.resolve("rendezvous_handlers")  # why a private registry: see torch_private
+    except torch_private.PrivateAPIGone:
+        return False
     if not isinstance(handlers, dict) or "env" not in handlers:
         return False
     global _calls

@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers.torch_private import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 

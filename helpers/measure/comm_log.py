@@ -20,9 +20,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import torch_private
 from helpers.measure.collectives import busbw_factor
+from helpers.torch_private import TorchDispatchMode
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
 
@@ -79,9 +80,8 @@ def _group_size(args, functional: bool, name: str) -> int:
                     "reduce_scatter_tensor_coalesced"):
             return int(next(a for a in args if isinstance(a, int)))
         import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return dist.get_world_size(_resolve_process_group(args[-1]))
+        return dist.get_world_size(torch_private.resolve("resolve_process_group")(args[-1]))
     import torch.distributed as dist
 
     for a in args:

@@ -1,0 +1,103 @@
+"""The private torch APIs the helpers use, in one place: why no public API does the job, and a check by name.
+
+Why a module: a private name (a leading underscore) may change or vanish in any torch release, without notice.
+Each one the helpers need is named here once, with the reason no public API serves, and the helpers take it from
+here (`from helpers.torch_private import TorchDispatchMode`, `torch_private.resolve("rendezvous_handlers")`).
+`tests/test_torch_private.py` resolves every entry, so a torch release that removes one fails a test that names
+it and the helpers that use it, rather than a notebook half-way through; and it checks that no other module of
+the project reaches a private torch name directly.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import NamedTuple
+
+
+class PrivateAPI(NamedTuple):
+    module: str
+    attribute: str
+    used_by: str
+    why: str
+
+
+PRIVATE = {
+    "TorchDispatchMode": PrivateAPI(
+        "torch.utils._python_dispatch", "TorchDispatchMode",
+        "helpers/measure/comm_log.py (CollectiveLog), helpers/measure/activations.py (LiveTensorBytes)",
+        "a mode that sees every op the dispatcher runs, with its tensors (c10d collectives issued from C++ by DDP's "
+        "reducer and FSDP2, each tensor an op creates); torch exports TorchDispatchMode only from this module. "
+        "Public modes (torch.overrides.TorchFunctionMode) see Python-level calls only."),
+    "rendezvous_handlers": PrivateAPI(
+        "torch.distributed.rendezvous", "_rendezvous_handlers",
+        "helpers/launcher/rendezvous.py (env:// answered by a FileStore)",
+        "the public register_rendezvous_handler refuses a scheme that is registered already, and env:// always is; "
+        "a launch's ranks call a plain init_process_group(), so only replacing env:// keeps them off the network"),
+    "resolve_process_group": PrivateAPI(
+        "torch.distributed.distributed_c10d", "_resolve_process_group",
+        "helpers/measure/comm_log.py (the group size of a functional collective)",
+        "a functional collective (DTensor's redistribute) carries its group by name; no public API maps a group "
+        "name to its ProcessGroup"),
+    "tree_flatten": PrivateAPI(
+        "torch.utils._pytree", "tree_flatten",
+        "helpers/measure/activations.py",
+        "torch has no public pytree module in 2.11 to 2.13 (a short recursion over lists, tuples and dicts would "
+        "do instead)"),
+    "record_memory_history": PrivateAPI(
+        "torch.cuda.memory", "_record_memory_history",
+        "helpers/measure/memory.py (cuda_step_snapshot)",
+        "the allocator's event history behind a memory snapshot: documented in 'Understanding CUDA Memory Usage', "
+        "but only under this name"),
+    "memory_snapshot": PrivateAPI(
+        "torch.cuda.memory", "_snapshot", "helpers/measure/memory.py (cuda_step_snapshot)",
+        "the recorded history as a dict; documented, but only under this name"),
+    "dump_memory_snapshot": PrivateAPI(
+        "torch.cuda.memory", "_dump_snapshot", "helpers/measure/memory.py (cuda_step_snapshot)",
+        "writes the pickle that pytorch.org/memory_viz draws; documented, but only under this name"),
+    "default_first_bucket_bytes": PrivateAPI(
+        "torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES", "helpers/measure/ddp.py (bucket_limits)",
+        "DDP's small first bucket (1 MiB) that its rebuilt buckets start with; no public constant or argument "
+        "exposes it"),
+    "dynamo_config": PrivateAPI(
+        "torch._dynamo", "config", "helpers/measure/fsdp_bench.py (recompile_limit)",
+        "torch.compiler.config does not hold dynamo's recompile limit"),
+    "lookup_backend": PrivateAPI(
+        "torch._dynamo", "lookup_backend", "helpers/measure/parallel.py (a counting backend around a named one)",
+        "a custom backend that wraps a named one needs that backend's callable; torch.compile only takes names"),
+}
+
+
+class PrivateAPIGone(ImportError):
+    """A private torch API the helpers rely on is not in the installed torch."""
+
+
+def resolve(name: str):
+    """The private object registered as `name`, or PrivateAPIGone naming it, its users and why it is needed."""
+    api = PRIVATE[name]
+    try:
+        return getattr(importlib.import_module(api.module), api.attribute)
+    except (ImportError, AttributeError) as exc:
+        import torch
+
+        raise PrivateAPIGone(
+            f"torch {torch.__version__} has no {api.module}.{api.attribute} ({type(exc).__name__}: {exc}). "
+            f"Used by {api.used_by}, because {api.why}. Look for its new name or a public API that now does "
+            f"the job, and change helpers/torch_private.py.") from exc
+
+
+def missing() -> list[str]:
+    """The registered names the installed torch lacks."""
+    gone = []
+    for name in PRIVATE:
+        try:
+            resolve(name)
+        except PrivateAPIGone:
+            gone.append(name)
+    return gone
+
+
+def __getattr__(name: str):
+    """`from helpers.torch_private import TorchDispatchMode`: resolved on first use, so a module that needs only
+    one entry still imports when another one is gone."""
+    if name in PRIVATE:
+        return resolve(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
