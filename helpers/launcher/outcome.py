@@ -25,7 +25,8 @@ KINDS = ("result", "error")
 
 
 def path(directory: str, kind: str, rank: int) -> str:
-    """Where rank `rank` writes its `kind` ('result' or 'error') in a launch's (or a call's) folder."""
+    """Where rank `rank` writes its `kind` ('result', 'error'; 'stack': its faulthandler dumps) in a launch's
+    (or a call's) folder."""
     return os.path.join(directory, f"{kind}.{rank}")
 
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 import io
 import linecache
 import marshal
-import os
 import pickle
 import types
+
+from helpers.launcher import outcome
 
 
 def _payload_pickler(buffer, files: set):
@@ -69,15 +70,8 @@ def loads(data: bytes):
     return cloudpickle.loads(record["pickled"])
 
 
-def write_atomically(path: str, data) -> None:
-    """The launcher takes a file's existence to mean it is complete: write beside it, then rename."""
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
-
-
 def dump(obj, path: str) -> None:
-    write_atomically(path, dumps(obj))
+    outcome.write_atomically(path, dumps(obj))
 
 
 def load(path: str):

@@ -291,7 +291,7 @@ class Supervision:
                 os.kill(slot.worker.pid, STACK_SIGNAL)
             except ProcessLookupError:
                 pass
-        paths = {s.rank: os.path.join(self.run_dir, f"stack.{s.rank}") for s in slots}
+        paths = {s.rank: outcome.path(self.run_dir, "stack", s.rank) for s in slots}
         end = time.monotonic() + STACK_WAIT_S
         while time.monotonic() < end and not all(_size(p) for p in paths.values()):
             time.sleep(0.05)  # a one-off wait for the dumps, at the end of a launch

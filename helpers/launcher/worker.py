@@ -93,7 +93,7 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
         _line_buffered_std_streams()
         faulthandler.enable(file=sys.stderr, all_threads=True)
         if STACK_SIGNAL is not None:
-            stack_file = open(os.path.join(run_dir, f"stack.{rank}"), "w")
+            stack_file = open(outcome.path(run_dir, "stack", rank), "w")
             faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
         with open(os.path.join(run_dir, "spec.pkl"), "rb") as f:
             spec = pickle.load(f)
