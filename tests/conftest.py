@@ -1,4 +1,5 @@
-"""No test may leave a process behind (nor may anything a worker started: see `processes_left`); launcher tests also must leave signal handlers and environment as they were.
+"""No test may leave a process behind, nor anything a worker started (`processes_left` also finds what escaped the
+tree); launcher tests also must leave signal handlers and environment as they were.
 
 The launcher's fork-server is the one process allowed to outlive a test (it is started once and reused, as in a
 kernel); its workers are not. It is started before the first test, so no launch's timing includes its start, and

@@ -5,8 +5,10 @@ on the kernel's state *at launch time* (environment, current directory, sys.path
 a fresh process's random state, and `threads` intra-op threads. It gets its own session (one signal stops it and
 everything it started), line-buffered stdout and stderr on the launcher's pipes (each line reaches the cell at
 once), a faulthandler that dumps its Python stack on SIGUSR1 (how a timeout shows where each rank was stuck), and
-it reports its return value or its exception through a file in the launch's folder, then says so on its progress
-pipe. Its function and arguments are unpickled (cloudpickle) here, after the fork, never in the server.
+it reports its return value or its exception through a file in the launch's folder (`outcome`), then says so on
+its progress pipe. Its function and arguments are unpickled (`payload`: by value, with their file names and
+source lines) here, after the fork, never in the server. It is a child subreaper, and ends everything it started
+before it exits (`sessions`).
 
 The function's local variables outlive its return until the result is written (`outcome.call_keeping_locals`
 says why); the launcher then stops a rank that does not exit (see `api.EXIT_GRACE_S`).

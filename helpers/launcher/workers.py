@@ -263,7 +263,7 @@ def _run_source(source: str, name: str, namespace: dict):
 
 
 # ------------------------------------------------------------------------------------------------ the magic
-@magic_arguments()
+@magic_arguments("%distributed")  # a cell magic: shown as %%distributed
 @argument("-n", "--world-size", type=int, default=None,
           help="ranks; other than the current Workers' (or none yet): new Workers of this size")
 @argument("--timeout", type=float, default=None, help="seconds the cell may take (default: the Workers' timeout)")
