@@ -71,3 +71,12 @@ def test_a_workers_traceback_shows_the_cells_file_and_line(code_reducer, cell_fu
         launch(cell_function, 1, world_size=1, timeout=60)
     assert f'File "{CELL}", line 3, in inner' in info.value.traceback
     assert "raise ValueError(f'inner got {y}')  # the line a traceback must show" in info.value.traceback
+
+
+def test_a_persistent_ranks_error_shows_the_cells_file_and_line(code_reducer, cell_function):
+    from helpers.launcher import Workers
+
+    with Workers(1) as workers, pytest.raises(WorkerError) as info:
+        workers.run(cell_function, 1, timeout=60)
+    assert f'File "{CELL}", line 3, in inner' in info.value.traceback
+    assert "# the line a traceback must show" in info.value.traceback
