@@ -33,7 +33,7 @@ import tempfile
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from helpers.launcher import outcome, payload
-from helpers.launcher.api import DEFAULT_TIMEOUT, LaunchPlan, default_world_size, require_callable, validate_options
+from helpers.launcher.api import DEFAULT_TIMEOUT, LaunchPlan, default_world_size, require_callable
 from helpers.launcher.errors import WorkerError
 from helpers.launcher.progress import report_call_done
 from helpers.launcher.supervise import Supervision
@@ -56,7 +56,6 @@ class Workers:
     def __init__(self, world_size: int | None = None, *, backend: str | None = None, env: dict | None = None,
                  threads: int | None = None, start_method: str | None = None, timeout: float = DEFAULT_TIMEOUT):
         self.world_size = default_world_size() if world_size is None else world_size
-        validate_options(self.world_size, backend, timeout, "file", threads)
         self.timeout = timeout
         self._options = dict(backend=backend, env=env, threads=threads, start_method=start_method)
         self._supervision: Supervision | None = None
@@ -66,7 +65,8 @@ class Workers:
 
     # -- lifecycle
     def _start(self) -> None:
-        """A new plan each time (the kernel's environment as of now, a fresh port), the ranks serving calls."""
+        """A new plan each time (options validated, the kernel's environment as of now, a fresh port), the ranks
+        serving calls."""
         plan = LaunchPlan.make(self.world_size, timeout=self.timeout, **self._options)
         self._dir = tempfile.TemporaryDirectory(prefix="cookbook-workers-")
         commands = {rank: os.pipe() for rank in range(self.world_size)}
