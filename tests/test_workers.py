@@ -155,3 +155,21 @@ def test_every_call_goes_to_the_same_processes(workers):
     """Fifty calls, one pair of processes: the ranks are kept, not started again (the cost is a benchmark)."""
     pids = {tuple(workers.run(os.getpid)) for _ in range(50)}
     assert len(pids) == 1
+
+
+def test_what_a_persistent_rank_started_lives_until_the_rank_ends_and_not_longer():
+    def start_sleep():
+        import subprocess
+
+        global sleeper
+        sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        return sleeper.pid
+
+    w = Workers(2, timeout=60)
+    try:
+        pids = w.run(start_sleep)
+        assert all(psutil.pid_exists(p) for p in pids), "a rank's subprocess lives between calls"
+    finally:
+        w.close()
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive and not server.processes_left()
