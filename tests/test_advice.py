@@ -175,3 +175,15 @@ def test_a_broken_link_would_be_found(tmp_path):
     page.write_text("see [here](11_common_advice_measured.ipynb#no-such-slug)")
     assert re.findall(r"11_common_advice_measured\.ipynb#([\w-]+)", page.read_text()) == ["no-such-slug"]
     assert "no-such-slug" not in set(_anchors(APPENDIX))
+
+
+def test_the_figure_shows_the_rows_with_a_number_and_a_positive_edge():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from helpers.plots.advice import measured_against_claims
+
+    rows = [judge("a", "a range", "s", "m", 7, 5, 10, spread=(6, 8)), judge("b", "at most", "s", "m", 3.5, 0, 1.1),
+            judge("c", "a negative gain", "s", "m", -5, 0, None), judge("d", "not run", "s", "m", None, 1, 2)]
+    labels = [t.get_text() for t in measured_against_claims(rows).axes[0].get_yticklabels()]
+    assert labels == ["a: a range", "b: at most"]
