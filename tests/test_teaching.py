@@ -1,0 +1,118 @@
+"""The notebooks teach in their own cells: every function a notebook launches on workers is defined in its cells or
+in scripts/ (never in helpers), and no file the reader gets refers to material they do not have (numbered source
+articles, issue numbers) or carries CJK text. The checks live in tools/teaching_stats.py (which also prints the
+per-notebook figures); the planted cases below show that each check fails when it should."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tools.teaching_stats import (CHECKED_TEXT, NOTEBOOKS, ROOT, code_cells, forbidden_in_project, forbidden_text,
+                                  launch_problems, launched_functions, missed_targets, notebook_stats, written_files)
+
+NOTEBOOK_PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def _notebook(tmp_path: Path, *cells: str, name: str = "99_planted.ipynb") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps({"cells": [{"cell_type": "code", "id": f"c{i}", "metadata": {}, "source": source,
+                                           "outputs": [], "execution_count": None} for i, source in enumerate(cells)]
+                                + [{"cell_type": "markdown", "id": "m", "metadata": {}, "source": "a few words"}],
+                                "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    return path
+
+
+def _problems(path: Path, scripts_dir: Path | None = None) -> list[str]:
+    nb = json.loads(path.read_text())
+    kwargs = {"scripts_dir": scripts_dir} if scripts_dir else {}
+    return sorted({p.function for p in launch_problems(launched_functions(code_cells(nb), written_files(nb), **kwargs))})
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=lambda p: p.stem)
+def test_every_launched_function_is_defined_in_the_notebook_or_in_scripts(path):
+    assert _problems(path) == [], f"{path.name} launches functions defined in helpers (or nowhere it shows)"
+
+
+def test_the_project_carries_no_forbidden_text():
+    found = forbidden_in_project()
+    assert not found, "\n".join(f"{p}: {', '.join(f[:3])}" for p, f in found.items())
+
+
+# ---------------------------------------------------------------------------------------------- planted cases
+
+@pytest.fixture
+def scripts_dir(tmp_path):
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "recipe.py").write_text("def run_distributed(body, *args):\n    return body('cpu', *args)\n\n"
+                                      "def train(device):\n    return 1\n")
+    return folder
+
+
+@pytest.mark.parametrize("cell", [
+    "import helpers\nfrom helpers.measure import ddp as measure\nhelpers.launch(measure.step_times, 1, world_size=2)",
+    "import functools\nfrom helpers.measure.ddp import step_times\nhelpers.launch(functools.partial(step_times, 1))",
+    "from helpers.launcher import Workers\nfrom helpers.measure import precision\nWorkers(2).run(precision.grad_scaler_at_work)",
+    "from helpers.measure import precision\nw = helpers.Workers(2)\nw.run(fn=precision.time_precisions)",
+    "from helpers.measure import precision\npools = {}\npools[2].run(precision.time_precisions, 3)",
+    "from helpers.measure import ddp\nworker = ddp.step_times\nhelpers.launch(worker)",
+    "from recipe import run_distributed\nfrom helpers.measure import ddp\nhelpers.launch(run_distributed, ddp.step_cost)",
+    "from helpers.launcher.torchrun import run_torchrun\nrun_torchrun('helpers/measure/bench.py', nproc=2)",
+    "helpers.launch(some_function_defined_nowhere)",
+])
+def test_a_launched_helper_function_is_caught(tmp_path, scripts_dir, cell):
+    assert _problems(_notebook(tmp_path, cell), scripts_dir) != []
+
+
+def test_functions_from_the_cells_or_scripts_pass(tmp_path, scripts_dir):
+    path = _notebook(
+        tmp_path,
+        "import functools\nimport helpers\nfrom recipe import run_distributed, train\n"
+        "def worker(device, n):\n    return n\n",
+        "helpers.launch(worker, 2)\nhelpers.launch(functools.partial(worker, n=1))\n"
+        "helpers.launch(run_distributed, worker, 3)\nhelpers.Workers(2).run(train)\nw = helpers.Workers(2)\n"
+        "w.run(fn=worker)\nhelpers.launch(lambda: 1)\nimport subprocess\nsubprocess.run(['ls'])\n"
+        "from helpers.launcher.torchrun import run_torchrun\nrun_torchrun(helpers.paths.SCRIPTS / 'recipe.py')")
+    nb = json.loads(path.read_text())
+    launches = launched_functions(code_cells(nb), written_files(nb), scripts_dir=scripts_dir)
+    assert {launch.function for launch in launches} >= {"worker", "run_distributed", "train", "lambda: 1"}
+    assert launch_problems(launches) == []
+
+
+def test_the_core_notebook_that_launches_helpers_misses_its_target(tmp_path):
+    row = notebook_stats(_notebook(tmp_path, "from helpers.measure import ddp\nhelpers.launch(ddp.step_times)"))
+    assert row["helper_launches"] == ["ddp.step_times"] and row["core"]
+    assert missed_targets(row) == ["launches 1 function(s) from helpers"]
+    clean = notebook_stats(_notebook(tmp_path, "def f():\n    return 1\nhelpers.launch(f)", name="98_clean.ipynb"))
+    assert missed_targets(clean) == [] and clean["md_words"] == 3
+
+
+PLANTED = {  # built from pieces so that this file itself holds none of them
+    "numbered article": "as s" + "eed 003 says",
+    "article folder": "see shared/" + "seeds/",
+    "the articles": "as the " + "articles claim",
+    "issue number": "fixed in " + "issue 13",
+    "CJK": "a quotation " + chr(0x6DF7) + chr(0x5408),
+}
+
+
+@pytest.mark.parametrize("text", PLANTED.values(), ids=PLANTED.keys())
+def test_forbidden_text_is_found(text):
+    assert forbidden_text(text) != []
+
+
+def test_ordinary_text_passes():
+    assert forbidden_text("seed 0 for every rank; pytorch/pytorch#135712; the article's code; torch.manual_seed(003)") == []
+
+
+def test_the_project_scan_reads_notebook_cells_and_files(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "docs").mkdir()
+    _notebook(tmp_path / "notebooks", "x = 1  # " + PLANTED["issue number"])
+    (tmp_path / "docs" / "page.md").write_text(PLANTED["CJK"])
+    (tmp_path / "README.md").write_text("clean")
+    found = forbidden_in_project(tmp_path)
+    assert set(found) == {"notebooks/99_planted.ipynb", "docs/page.md"}
+    assert "README.md" in CHECKED_TEXT and ROOT.is_dir()

@@ -1,0 +1,335 @@
+"""How much of each notebook teaches in its own cells: the figures that replaced a line cap, and the two checks
+tests/test_teaching.py runs.
+
+Per notebook it reports the functions the notebook launches on worker processes that come from `helpers` (a
+worker should be plain PyTorch the reader sees: defined in the notebook's cells or in `scripts/`), the share of
+code lines that are plain torch rather than calls into `helpers`, the markdown word count and the longest code
+cell; and it flags the core notebooks (every one but the appendix) that miss a target: no launched function from
+`helpers`, at most about 1,500 words of markdown, no code cell over 60 lines.
+
+The same module holds the checks the tests run, in one copy:
+- `launched_functions(cells)`: every function a notebook launches (`launch`, `Workers(...).run`, `w.run`,
+  `pools[n].run`, `functools.partial` of one, keyword arguments, a runner's body such as
+  `launch(run_distributed, body, ...)`, and the script `torchrun` starts), each with where it is defined.
+- `forbidden_text(text)`: wording the project must not carry (references to source material the reader does not
+  have, issue numbers, CJK text).
+
+Usage, from the repository root: python tools/teaching_stats.py [--json]
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+SCRIPTS = ROOT / "scripts"
+APPENDIX = "11_common_advice_measured"
+TARGETS = {"md_words": 1500, "longest_cell": 60}
+
+LAUNCHERS = {"launch", "run"}                 # helpers.launch(fn, ...), Workers(...).run(fn, ...), pool.run(fn)
+FUNCTION_KEYWORDS = ("fn", "function", "body", "target", "worker")
+TORCHRUN_CALLS = {"run_torchrun", "start_agent"}
+
+# Written so that this file does not match its own patterns.
+FORBIDDEN = {
+    "a numbered source article": re.compile(r"\bs[e]ed\s+0\d\d", re.IGNORECASE),
+    "the source-article folder": re.compile(r"shared/s[e]eds", re.IGNORECASE),
+    "a reference to source articles": re.compile(r"\bthe\s+a[r]ticles\b", re.IGNORECASE),
+    "an issue number": re.compile(r"\bi[s]sue\s+#?\d+", re.IGNORECASE),
+    "CJK text": re.compile("[\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]"),
+}
+CHECKED_TEXT = ("notebooks/*.ipynb", "scripts/**/*.py", "helpers/**/*.py", "tools/**/*.py", "docs/**/*.md",
+                "README.md")
+
+
+# ------------------------------------------------------------------------------------------ reading notebooks
+
+def code_cells(notebook: dict) -> list[str]:
+    """Each code cell's Python: IPython lines (`%`, `!`) left out, a `%%distributed` cell's body kept, a cell that
+    writes a file (`%%writefile`) or runs another language left out."""
+    out = []
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        lines = "".join(cell["source"]).splitlines()
+        if lines and lines[0].startswith("%%") and not lines[0].startswith("%%distributed"):
+            continue
+        out.append("\n".join(line for line in lines if not line.lstrip().startswith(("%", "!"))))
+    return out
+
+
+def written_files(notebook: dict) -> set[str]:
+    """Names of the files a notebook writes with %%writefile (a script run with torchrun may be one of them)."""
+    names = set()
+    for cell in notebook["cells"]:
+        first = "".join(cell["source"]).split("\n", 1)[0]
+        if cell["cell_type"] == "code" and first.startswith("%%writefile"):
+            names.add(Path(first.split()[-1]).name)
+    return names
+
+
+def parse(cells: list[str]) -> ast.Module:
+    """The cells as one module, in order; a cell that does not parse alone is left out rather than losing all."""
+    body = []
+    for source in cells:
+        try:
+            body += ast.parse(source).body
+        except SyntaxError:
+            continue
+    return ast.Module(body=body, type_ignores=[])
+
+
+# ------------------------------------------------------------------------------------------ where names come from
+
+def script_modules(scripts: Path = SCRIPTS) -> set[str]:
+    return {p.stem for p in scripts.glob("*.py")}
+
+
+def runner_names(scripts: Path = SCRIPTS) -> set[str]:
+    """Functions of scripts/ that run a body they are given as first parameter (run_distributed and the like):
+    `launch(runner, body, ...)` launches the body too."""
+    names = set()
+    for path in scripts.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.args.args and node.args.args[0].arg == "body":
+                names.add(node.name)
+    return names
+
+
+def module_origin(module: str, scripts: set[str]) -> str:
+    top = module.split(".")[0]
+    if top == "helpers":
+        return "helpers"
+    if top == "scripts" or top in scripts:
+        return "scripts"
+    return f"library {top}"
+
+
+@dataclass
+class Bindings:
+    """What each top-level name of a notebook is bound to: a def in its cells, an import, or another name."""
+    defined: set = field(default_factory=set)
+    imported: dict = field(default_factory=dict)    # name -> module it comes from
+    aliases: dict = field(default_factory=dict)     # name -> expression it was assigned
+
+
+def bindings(tree: ast.Module) -> Bindings:
+    b = Bindings()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            b.defined.add(node.name)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                b.imported[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                b.imported[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            b.aliases[node.targets[0].id] = node.value
+    return b
+
+
+def unwrap(expr: ast.expr) -> ast.expr:
+    """functools.partial(f, ...) and partial(f, ...) -> f."""
+    while isinstance(expr, ast.Call) and _name(expr.func) == "partial" and expr.args:
+        expr = expr.args[0]
+    return expr
+
+
+def _name(expr) -> str | None:
+    if isinstance(expr, ast.Attribute):
+        return expr.attr
+    if isinstance(expr, ast.Name):
+        return expr.id
+    return None
+
+
+def _root(expr) -> str | None:
+    while isinstance(expr, ast.Attribute):
+        expr = expr.value
+    if isinstance(expr, ast.Subscript):
+        return _root(expr.value)
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def origin(expr: ast.expr, b: Bindings, scripts: set[str], seen: frozenset = frozenset()) -> str:
+    """'notebook', 'scripts', 'helpers', 'library <name>' or 'unknown' for a launched function's expression."""
+    expr = unwrap(expr)
+    if isinstance(expr, ast.Lambda):
+        return "notebook"
+    root = _root(expr)
+    if root is None or root in seen:
+        return "unknown"
+    if isinstance(expr, ast.Name) and root in b.defined:
+        return "notebook"
+    if root in b.imported:
+        module = b.imported[root]
+        if isinstance(expr, ast.Attribute):  # module.function: the module's own origin
+            return module_origin(module, scripts)
+        return module_origin(module.rsplit(".", 1)[0] if "." in module else module, scripts)
+    if root in b.aliases:
+        return origin(b.aliases[root], b, scripts, seen | {root})
+    if root in b.defined:
+        return "notebook"
+    return "unknown"
+
+
+# ------------------------------------------------------------------------------------------ launches
+
+@dataclass
+class Launch:
+    function: str   # the expression, as written
+    origin: str     # notebook, scripts, helpers, library ..., unknown
+    how: str        # launch, run, torchrun
+
+
+def _launched_args(call: ast.Call) -> list[ast.expr]:
+    keywords = [k.value for k in call.keywords if k.arg in FUNCTION_KEYWORDS]
+    return ([call.args[0]] if call.args else []) + keywords
+
+
+def _is_function_reference(expr: ast.expr) -> bool:
+    expr = unwrap(expr)
+    return isinstance(expr, (ast.Name, ast.Attribute, ast.Lambda))
+
+
+def launched_functions(cells: list[str], written: set[str] = frozenset(), scripts_dir: Path = SCRIPTS) -> list[Launch]:
+    """Every function the cells launch on workers, with where it is defined."""
+    tree = parse(cells)
+    b, scripts, runners = bindings(tree), script_modules(scripts_dir), runner_names(scripts_dir)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _name(node.func)
+        if name in LAUNCHERS:
+            for arg in _launched_args(node):
+                if not _is_function_reference(arg):
+                    continue  # subprocess.run([...]), asyncio.run(main()): not a launch of a function
+                fn = unwrap(arg)
+                found.append(Launch(ast.unparse(fn), origin(fn, b, scripts), name))
+                if _name(fn) in runners and len(node.args) > 1 and _is_function_reference(node.args[1]):
+                    body = unwrap(node.args[1])
+                    found.append(Launch(ast.unparse(body), origin(body, b, scripts), f"{name} (body)"))
+        elif name in TORCHRUN_CALLS or (name == "run" and _mentions_torchrun(node)):
+            target = node.args[1] if name == "start_agent" and len(node.args) > 1 else (node.args[0] if node.args else None)
+            if target is not None:
+                found.append(Launch(ast.unparse(target), _script_origin(target, b, written), "torchrun"))
+    return found
+
+
+def _mentions_torchrun(call: ast.Call) -> bool:
+    return bool(call.args) and "torchrun" in ast.unparse(call.args[0])
+
+
+def _script_origin(target: ast.expr, b: Bindings, written: set[str], depth: int = 0) -> str:
+    """Where a script run with torchrun lives: scripts/, a file the notebook wrote, or helpers (a module run with
+    -m, or a path into the package). A name is followed to what it was assigned."""
+    if isinstance(target, ast.Name) and target.id in b.aliases and depth < 5:
+        return _script_origin(b.aliases[target.id], b, written, depth + 1)
+    text = ast.unparse(target)
+    if re.search(r"\bSCRIPTS\b|scripts/|\bscripts\b", text):
+        return "scripts"
+    if "helpers" in text:
+        return "helpers"
+    if any(name in text for name in written):
+        return "notebook"
+    return "unknown"
+
+
+def launch_problems(launches: list[Launch]) -> list[Launch]:
+    """Launches of a function defined in helpers, or of one whose definition cannot be found in the notebook's
+    cells, scripts/ or a library (torch, the standard library)."""
+    return [launch for launch in launches if launch.origin in ("helpers", "unknown")]
+
+
+# ------------------------------------------------------------------------------------------ wording
+
+def forbidden_text(text: str) -> list[str]:
+    """'<what>: <the match>' for each forbidden phrase in `text`."""
+    return [f"{what}: {m.group(0)!r}" for what, pattern in FORBIDDEN.items() for m in pattern.finditer(text)]
+
+
+def checked_text(path: Path) -> str:
+    """A notebook's cell sources (not outputs); any other file whole."""
+    if path.suffix == ".ipynb":
+        return "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"])
+    return path.read_text(errors="replace")
+
+
+def forbidden_in_project(root: Path = ROOT) -> dict[str, list[str]]:
+    """{relative path: findings} over the notebooks, scripts, helpers, tools, docs and README."""
+    out = {}
+    for pattern in CHECKED_TEXT:
+        for path in sorted(root.glob(pattern)):
+            found = forbidden_text(checked_text(path))
+            if found:
+                out[str(path.relative_to(root))] = found
+    return out
+
+
+# ------------------------------------------------------------------------------------------ figures
+
+def notebook_stats(path: Path) -> dict:
+    notebook = json.loads(path.read_text())
+    cells = code_cells(notebook)
+    tree = parse(cells)
+    b = bindings(tree)
+    helper_names = {name for name, module in b.imported.items() if module.split(".")[0] == "helpers"}
+    lines = [line for source in cells for line in source.splitlines()
+             if line.strip() and not line.strip().startswith("#") and not re.match(r"\s*(from|import)\s", line)]
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(helper_names))) + r")\b") if helper_names else None
+    helper_lines = [line for line in lines if pattern and pattern.search(line)]
+    markdown = " ".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+    launches = launched_functions(cells, written_files(notebook))
+    return {"notebook": path.stem, "core": path.stem != APPENDIX,
+            "helper_launches": sorted({launch.function for launch in launches if launch.origin == "helpers"}),
+            "other_launches": sorted({f"{launch.function} ({launch.origin})" for launch in launch_problems(launches)
+                                      if launch.origin != "helpers"}),
+            "plain_share": round(1 - len(helper_lines) / max(1, len(lines)), 3), "code_lines": len(lines),
+            "md_words": len(markdown.split()),
+            "longest_cell": max((len([line for line in c.splitlines() if line.strip()]) for c in cells), default=0)}
+
+
+def missed_targets(row: dict) -> list[str]:
+    """What a core notebook misses of the targets (the appendix has none)."""
+    if not row["core"]:
+        return []
+    missed = []
+    if row["helper_launches"]:
+        missed.append(f"launches {len(row['helper_launches'])} function(s) from helpers")
+    if row["md_words"] > TARGETS["md_words"]:
+        missed.append(f"{row['md_words']} words of markdown (target {TARGETS['md_words']})")
+    if row["longest_cell"] > TARGETS["longest_cell"]:
+        missed.append(f"a {row['longest_cell']}-line cell (target {TARGETS['longest_cell']})")
+    return missed
+
+
+def main(argv: list[str]) -> int:
+    rows = [notebook_stats(p) for p in sorted(NOTEBOOKS.glob("*.ipynb"))]
+    for row in rows:
+        row["missed"] = missed_targets(row)
+    if "--json" in argv:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'notebook':<36} {'plain':>5} {'code':>5} {'md words':>8} {'longest':>7}  launched from helpers")
+    for r in rows:
+        print(f"{r['notebook'][:36]:<36} {r['plain_share']:5.2f} {r['code_lines']:5} {r['md_words']:8} "
+              f"{r['longest_cell']:7}  {len(r['helper_launches'])} {', '.join(r['helper_launches'])}")
+    print("\ncore notebooks that miss a target (no launched helper function, <= "
+          f"{TARGETS['md_words']} markdown words, no cell over {TARGETS['longest_cell']} lines):")
+    missing = [r for r in rows if r["missed"]]
+    for r in missing:
+        print(f"  {r['notebook']}: {'; '.join(r['missed'])}")
+    if not missing:
+        print("  none")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
