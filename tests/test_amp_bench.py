@@ -6,6 +6,10 @@ import torch
 
 from helpers.measure import precision as amp_bench
 
+# The workers below run on the GPU where the machine has one. The tests hand them pieces written for the CPU
+# (CPU autocast, no caching allocator to empty), so they pin the CPU: the same assertions hold on every machine.
+CPU = torch.device("cpu")
+
 
 def test_scale_trajectory_matches_a_real_gradscaler():
     # Drive torch's GradScaler with gradients we make finite or infinite on purpose, and compare its scale
@@ -125,11 +129,11 @@ def test_time_precisions_trains_every_mode_from_the_same_start():
     modes = {"fp32": {"dtype": torch.float32, "fp32_precision": "ieee"},
              "bf16": {"dtype": torch.bfloat16, "fp32_precision": "ieee"}}
     out = amp_bench.time_precisions(train_step, make_model, get_batch, modes, steps=4, warmup=1,
-                                    mlp_shape=(32, 8, 16), ceiling_n=32)
+                                    mlp_shape=(32, 8, 16), ceiling_n=32, device=CPU)
     assert out["losses"]["fp32"][0] == pytest.approx(out["losses"]["bf16"][0], rel=0.05)  # same weights, batch
     assert len(out["times"]["bf16"]) == 3 and out["ratios"]["fp32"] == [1.0] * 3
     assert set(out["flops_square"]) == set(modes) and out["hardware"]["gpu"] is False
-    assert amp_bench.cudnn_benchmark_effect([8]) is None  # no cuDNN on a CPU
+    assert amp_bench.cudnn_benchmark_effect([8], device=CPU) is None  # no cuDNN on a CPU
 
 
 def test_time_precisions_sets_each_modes_fp32_precision_in_the_worker_and_restores_it():
@@ -158,7 +162,7 @@ def test_time_precisions_sets_each_modes_fp32_precision_in_the_worker_and_restor
     modes = {"fp32": {"dtype": torch.float32, "fp32_precision": "ieee"},
              "tf32": {"dtype": torch.float32, "fp32_precision": "tf32"}}
     out = amp_bench.time_precisions(train_step, make_model, get_batch, modes, steps=3, warmup=1, mlp_shape=(8, 4, 8),
-                                    ceiling_n=8, empty_cache_of="fp32")
+                                    ceiling_n=8, empty_cache_of="fp32", device=CPU)
     steps = [s for s in seen if s[0] != "backward"]
     assert steps == [("ieee", "ieee"), ("tf32", "tf32")] * 3
     assert [s[1] for s in seen if s[0] == "backward"] == ["ieee", "tf32"] * 3
@@ -208,7 +212,7 @@ def test_grad_scaler_at_work_follows_the_closed_form():
             return torch.nn.functional.cross_entropy(model(x).float(), y)
 
     grads, log = amp_bench.grad_scaler_at_work(make_model, get_batch, loss_of, steps=12, init_scale=2.0 ** 60,
-                                               growth_interval=3)
+                                               growth_interval=3, device=CPU)
     assert bool((grads["fp16, no scaler"] == 0).all()) and bool((grads["fp32"] != 0).any())
     overflows = [r["overflow"] for r in log]
     assert overflows[0], "2^60 overflows fp16 at once"

@@ -287,7 +287,7 @@ def empty_cache_cost(step, device: torch.device, pairs: int, empty=None) -> dict
 
 def time_precisions(train_step, make_model, get_batch, modes: dict[str, dict], steps: int, warmup: int,
                     mlp_shape: tuple[int, int, int], ceiling_n: int = 512, empty_cache_of: str | None = None,
-                    lr: float = 1e-3, seed: int = 0) -> dict:
+                    lr: float = 1e-3, seed: int = 0, device: torch.device | None = None) -> dict:
     """Train one model per mode from the same weights on the same batches, steps interleaved, and time each step.
 
     Runs in a worker. The notebook's plain pieces do the training: `make_model()` (on the CPU), `get_batch(g)`
@@ -300,11 +300,12 @@ def time_precisions(train_step, make_model, get_batch, modes: dict[str, dict], s
     The matmul throughput per format is measured in the same process: the ceiling a step's speed-up is bounded
     by, at the model's MLP shape `mlp_shape` (tokens, d, 4d) and at a large square (`ceiling_n`).
     `lr`: AdamW's learning rate. `empty_cache_of`: on a GPU, the mode whose model then prices
-    `torch.cuda.empty_cache()` (`empty_cache_cost`).
+    `torch.cuda.empty_cache()` (`empty_cache_cost`). `device`: where to run (default `precision_device()`: the
+    rank's GPU where there is one); a caller whose pieces are written for one device (a test's CPU autocast) names it.
     """
     import warnings
 
-    device = precision_device()
+    device = device or precision_device()
     runs = {}
     for name, mode in modes.items():
         torch.manual_seed(seed)  # the same initial weights in every mode
@@ -354,7 +355,8 @@ def time_precisions(train_step, make_model, get_batch, modes: dict[str, dict], s
     }
 
 
-def cudnn_benchmark_effect(shapes: list[int], repeats: int = 20, channels: int = 64, batch: int = 32) -> dict | None:
+def cudnn_benchmark_effect(shapes: list[int], repeats: int = 20, channels: int = 64, batch: int = 32,
+                           device: torch.device | None = None) -> dict | None:
     """What `torch.backends.cudnn.benchmark = True` does to a small conv net's training step, on a GPU.
 
     With benchmark on, cuDNN times several algorithms the first time it meets an input shape and keeps the
@@ -362,9 +364,9 @@ def cudnn_benchmark_effect(shapes: list[int], repeats: int = 20, channels: int =
     helps a fixed input shape and harms when shapes keep changing (variable image sizes or sequence lengths),
     where every new shape pays the search again. Returns None on a CPU (cuDNN is a CUDA library: the flag does
     nothing there). For each setting: the first step at each shape, and the median of `repeats` steps at the
-    first shape.
+    first shape. `device`: default `precision_device()`.
     """
-    device = precision_device()
+    device = device or precision_device()
     if device.type != "cuda":
         return None
     out = {}
@@ -476,17 +478,19 @@ def print_formats() -> None:
     print(f"{'tf32':<7}{8:>4}{10:>5}{2.0 ** -10:>11.3g}   (fp32's range; only inside tensor-core matmuls)")
 
 
-def grad_scaler_at_work(make_model, get_batch, loss_of, steps: int, init_scale: float, growth_interval: int) -> tuple:
+def grad_scaler_at_work(make_model, get_batch, loss_of, steps: int, init_scale: float, growth_interval: int,
+                        device: torch.device | None = None) -> tuple:
     """GradScaler observed from outside, in a worker (CUDA where there is a GPU): two records.
 
     (a) One linear layer under fp16 autocast with a tiny loss (2^-30): its weight gradient in fp32, in fp16 with
     no scaler (it underflows), and with a GradScaler (scaled, then unscaled). (b) `make_model()` trained under
     fp16 with a scale that starts at `init_scale`: per step the scale used, whether a gradient overflowed, whether
     the weights changed, the loss. `loss_of(model, x, y, dtype)` and `get_batch(g)` are the notebook's own.
+    `device`: default `precision_device()`; `loss_of` must autocast on that device's type.
     """
     from torch import nn
 
-    device = precision_device()
+    device = device or precision_device()
     torch.manual_seed(0)
     layer, x = nn.Linear(64, 64).to(device), torch.randn(16, 64, device=device)
     grads = {}
