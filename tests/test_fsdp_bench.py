@@ -2,7 +2,7 @@
 and the ratios are taken round by round against the right baselines (on a GPU it times tensor cores instead)."""
 from __future__ import annotations
 
-from helpers.measure.fsdp_bench import COMPILED_BASE, CONFIGS, EAGER_BASE, base_of, eager_ratios
+from helpers.measure.fsdp_bench import COMPILED_BASE, CONFIGS, EAGER_BASE, against_target, base_of, eager_ratios
 
 
 def _bench_worker(configs):
@@ -56,7 +56,14 @@ def test_every_eager_knob_applies_and_ratios_pair_the_rounds():
 
 def test_compiled_configurations_are_compared_at_equal_compilation():
     assert base_of(EAGER_BASE) == [] and base_of(COMPILED_BASE) == [EAGER_BASE]
-    assert base_of("FSDP2 + compile per block") == [EAGER_BASE, COMPILED_BASE]
+    compiled = "FSDP2 + all three knobs, compiled"
+    assert base_of(compiled) == [EAGER_BASE, COMPILED_BASE]
     assert base_of("FSDP2 + reshard_after_forward=False") == [EAGER_BASE]
     without = {k: v for k, v in CONFIGS.items() if k != COMPILED_BASE}
-    assert base_of("FSDP2 + compile per block", without) == [EAGER_BASE]
+    assert base_of(compiled, without) == [EAGER_BASE]
+
+
+def test_a_target_is_judged_on_the_medians_interval():
+    assert against_target({"interval": (1.05, 1.15)}, 1.2) == "within 1.2x"
+    assert against_target({"interval": (1.25, 1.4)}, 1.2) == "above 1.2x"
+    assert against_target({"interval": (1.1, 1.3)}, 1.2).startswith("inconclusive")
