@@ -248,8 +248,8 @@ def split_warmup(bench: dict, warmup: int) -> dict:
 
 
 def bench_summary(bench: dict, modes: list[str]) -> tuple[dict, dict, dict]:
-    """From the benchmark's result (`split_warmup`): (speed-up, ceiling, final loss) per mode. The speed-up over the first
-    mode is `ratio_with_noise` of the per-step ratios; the matmul ceiling is its base format's (a mode
+    """From the benchmark's result (`split_warmup`): (speed-up, ceiling, final loss) per mode. The speed-up over
+    the first mode is `ratio_with_noise` of the per-step ratios; the matmul ceiling is its base format's (a mode
     'bf16 + compile' has bf16's); the final loss is the mean of the last 3 steps. Printed as one table, with
     the median step time, the range of the middle 80% of steps, and the first step (compilation included)."""
     speedup = {m: ratio_with_noise(bench["ratios"][m]) for m in modes}
@@ -293,8 +293,9 @@ def print_formats() -> None:
 
 
 def scaler_table(grads: dict, log: list[dict], rows: int = 10) -> str:
-    """Notebook 05's `grad_scaler_at_work` records as text: per way of computing it, the share of the weight gradient that
-    is zero and its largest magnitude; then the first `rows` steps of the GradScaler log (scale as a power of 2)."""
+    """Notebook 05's `grad_scaler_at_work` records as text: per way of computing it, the share of the weight
+    gradient that is zero and its largest magnitude; then the first `rows` steps of the GradScaler log (the scale
+    as a power of 2)."""
     import math
 
     lines = [f"{how:<17} weight gradient: {float((g == 0).float().mean()):6.1%} zeros, largest |g| {g.abs().max():.3g}"
@@ -305,9 +306,9 @@ def scaler_table(grads: dict, log: list[dict], rows: int = 10) -> str:
 
 
 def wire_rows(variants: dict) -> list[tuple[str, str, int]]:
-    """One rank's result of notebook 05's `amp_under_ddp_and_fsdp` as (variant: collective, dtypes, bytes per step) rows: the DDP hook's
-    all-reduce, FSDP2's all-gather and reduce-scatter; what `wire_table` prints and `plots.precision.collective_bytes`
-    draws."""
+    """One rank's result of notebook 05's `amp_under_ddp_and_fsdp` as (variant: collective, dtypes, bytes per step)
+    rows: the DDP hook's all-reduce, FSDP2's all-gather and reduce-scatter; what `wire_table` prints and
+    `plots.precision.collective_bytes` draws."""
     from helpers.measure.comm_log import ALL_GATHER, REDUCE_SCATTER
 
     return [(f"{name}: {kind}", "/".join(c["dtypes"]).replace("torch.", ""), c["bytes"])
