@@ -122,7 +122,7 @@ def test_wire_rows_take_the_hook_for_ddp_and_the_collective_log_for_fsdp():
 
 
 def test_notebook_05_full_size_gpu_model_has_over_100m_parameters():
-    # Issue 13 asks for the speed-up on a model of at least 100M parameters at GPU full size: the parameters cell's
+    # The GPU speed-up is wanted on a model of at least 100M parameters at full size: the parameters cell's
     # GPU_SIZES, built (on the meta device: shapes only) with the GPT and vocabulary of scripts/train_amp.py.
     import importlib.util
     import json
