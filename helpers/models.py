@@ -1,9 +1,11 @@
-"""The two models every notebook reuses, so each notebook is a small change on the previous one.
+"""Two reference models, kept where more than one place checks against them.
 
-- `DigitsMLP` (notebooks 02, 04): small enough for two CPU cores, with a `hidden` width that makes buckets and
-  compression matter at full size.
-- `TinyGPT` (notebooks 03, 05, 06): a decoder-only transformer whose `blocks` are a ModuleList, because FSDP2 is
-  applied per block (`fully_shard(block)` then the root) and activation checkpointing wraps blocks too.
+- `DigitsMLP`: notebook 02 defines its own in a cell and asserts it is this one (`str()` of both), so the house
+  model and the lesson cannot drift; tests/test_ddp_measure.py trains it. Notebook 04's script builds the same
+  layers as a plain `nn.Sequential`.
+- `TinyGPT`: launched by no notebook (03 to 06 define their models in cells or scripts); the unit tests of the
+  memory and FSDP2 shard arithmetic (tests/test_memory.py, tests/test_fsdp_shards.py) use it as a model whose
+  `blocks` are a ModuleList, the shape FSDP2 is applied to per block.
 """
 from __future__ import annotations
 

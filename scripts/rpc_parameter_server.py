@@ -25,11 +25,13 @@ from torch.utils.data.distributed import DistributedSampler
 
 def start_rpc(rpc_timeout=60):
     """Join the RPC group with torchrun's variables; rank 0 is `ps`, rank r is `trainer{r}`. With more processes
-    than cores, TCP only (private option): the shared-memory transport busy-polls the cores the trainers need."""
+    than cores, TCP only: the shared-memory transport busy-polls the cores the trainers need."""
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")  # init_rpc's internal gloo group
     logging.getLogger("torch.distributed.rpc.api").setLevel(logging.CRITICAL)  # a failed shutdown: we report it
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # `_transports` is private: no public option chooses TensorPipe's transport. It is passed only where the
+    # shared-memory one would starve the ranks (more processes than cores); drop it where each has a core.
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=rpc_timeout,
                                               **({"_transports": ["uv"]} if world > cores else {}))
     name = "ps" if rank == 0 else f"trainer{rank}"
@@ -124,26 +126,27 @@ class ParameterServer:
             self.wall = time.perf_counter() - self.start  # the run ends when its last trainer finishes
         return self.over
 
-    def serve(self, every=0.2):
-        """On ps, once every worker has joined: until every live trainer has finished, ping each one still
-        training. A dead one answers with an error at once (its connection is gone); the rounds stop waiting."""
-        self.start = time.perf_counter()
-        while True:
-            time.sleep(every)
-            with self.lock:
-                training = sorted(self.live - self.finished)
-            if not training:
-                break
-            for name in training:
-                try:
-                    rpc.rpc_sync(name, os.getpid, timeout=10)
-                except RuntimeError as exc:
-                    with self.lock:
-                        self.live.discard(name)
-                        self.events.append({"time": time.perf_counter() - self.start, "update": self.version,
-                                            "trainer": name, "what": f"ping failed: {str(exc).splitlines()[0][:120]}"})
-                        self.step_when_ready()
-        self.over.set_result(self.version)  # every live trainer has finished: answers their `finish`
+
+def watch_trainers(server, every=0.2):
+    """On ps, once every worker has joined: until every live trainer has finished, ping each one still training.
+    A dead one answers with an error at once (its connection is gone); the rounds stop waiting for it."""
+    server.start = time.perf_counter()
+    while True:
+        time.sleep(every)
+        with server.lock:
+            training = sorted(server.live - server.finished)
+        if not training:
+            break
+        for name in training:
+            try:
+                rpc.rpc_sync(name, os.getpid, timeout=10)
+            except RuntimeError as exc:
+                with server.lock:
+                    server.live.discard(name)
+                    server.events.append({"time": time.perf_counter() - server.start, "update": server.version,
+                                          "trainer": name, "what": f"ping failed: {str(exc).splitlines()[0][:120]}"})
+                    server.step_when_ready()
+    server.over.set_result(server.version)  # every live trainer has finished: answers their `finish`
 
 
 def shard_batches(x, y, index, n_shards, batch_size, seed=0):
@@ -165,7 +168,7 @@ def ps_job(design, steps, batch_size, hidden, depth, lr, train, test, codec=None
         server = _server["ps"] = ParameterServer(design == "sync", trainers, hidden, depth, lr, every, codec)
     name = start_rpc(rpc_timeout)
     if name == "ps":
-        server.serve()
+        watch_trainers(server)
         record = {"wall": server.wall, "updates": server.version, "samples": server.samples,
                   "staleness": server.staleness, "events": server.events}
     else:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,12 +50,17 @@ def get_batch(tokens, batch, seq_len, g):
 class Block(nn.Module):
     def __init__(self, d_model, n_heads):
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.checkpointed = n_heads, False  # checkpointed: see checkpoint_blocks
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x):
+        if self.checkpointed and torch.is_grad_enabled():  # keep only x; run the block again in backward
+            return checkpoint(self.attend_and_mix, x, use_reentrant=False)
+        return self.attend_and_mix(x)
+
+    def attend_and_mix(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -76,6 +82,14 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))  # logits, in the autocast dtype inside an autocast region
 
 
+def checkpoint_blocks(model):
+    """Activation checkpointing in every block. A flag the block's forward reads, not a wrapper module: the
+    parameters keep their names (`blocks.i.qkv.weight`), so a checkpoint saved with it loads without it."""
+    for block in model.blocks:
+        block.checkpointed = True
+    return model
+
+
 def loss_of(model, x, y, dtype=torch.float32):
     """Forward with matmuls in `dtype` under autocast; cross-entropy on float32 logits, never in bf16/fp16."""
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -83,11 +97,13 @@ def loss_of(model, x, y, dtype=torch.float32):
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def train_step(model, opt, scaler, x, y, dtype):
+def train_step(model, opt, scaler, x, y, dtype, max_norm=1.0):
     """One step. A GradScaler that is not enabled (all but fp16) passes the loss and the step through unchanged."""
     loss = loss_of(model, x, y, dtype)
     scaler.scale(loss).backward()  # fp16: gradients `scale` times too large, so small ones do not underflow
-    scaler.step(opt)               # unscales them; skips the step if any is inf or nan
+    scaler.unscale_(opt)           # back to their true size (fp32), so that clipping sees the real norm
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(opt)               # skips the step if any gradient is inf or nan
     scaler.update()                # halves the scale after a skip, doubles it after growth_interval clean steps
     opt.zero_grad(set_to_none=True)
     return loss.detach()
@@ -99,6 +115,8 @@ def train(args, device):
     tokens, vocab = char_corpus()
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = GPT(vocab, args.d_model, args.layers, args.heads, args.seq_len).to(device)
+    if args.checkpoint:
+        checkpoint_blocks(model)
     parameters = sum(p.numel() for p in model.parameters())
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if args.compile:
@@ -119,6 +137,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="autocast dtype (fp32: none)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
+    parser.add_argument("--tf32", action="store_true", help="fp32 matmuls and convolutions in TF32 (Ampere or later)")
+    parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing in every block")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="sequences per rank and step")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -127,6 +147,9 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-4)
     args = parser.parse_args()
+    # TF32: fp32 matmuls and convolutions on tensor cores, with 10 mantissa bits; "ieee" keeps true fp32
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if args.tf32 else "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "tf32" if args.tf32 else "ieee"
     device = init_distributed()
     try:
         r = train(args, device)

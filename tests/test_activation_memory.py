@@ -69,56 +69,6 @@ def test_checkpoint_keeps_only_its_input():
     assert x.grad is not None
 
 
-def test_checkpointing_cost_removes_each_blocks_activations_but_its_input():
-    from torch.utils.checkpoint import checkpoint
-
-    from helpers.measure.activations import checkpointing_cost
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln = torch.nn.LayerNorm(16)
-            self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
-
-        def forward(self, x):
-            return x + self.mlp(self.ln(x))
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self, block):
-            super().__init__()
-            self.block = block
-
-        def forward(self, x):
-            return checkpoint(self.block, x, use_reentrant=False)
-
-    def wrap(model):
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = Wrapped(block)
-        return model
-
-    def loss_of(model, x, y):
-        return torch.nn.functional.mse_loss(model(x), y)
-
-    def get_batch(g):
-        return torch.randn(4, 8, 16, generator=g), torch.randn(4, 8, 16, generator=g)
-
-    out = checkpointing_cost(Net, wrap, loss_of, get_batch, steps=2)
-    removed = out["saved_bytes"][False] - out["saved_bytes"][True]
-    assert removed == 3 * (out["one_block_saved"] - out["block_input_bytes"])
-    assert out["forward_calls"] == {False: 3, True: 6}
-    assert out["peak_bytes"][True] < out["peak_bytes"][False] and len(out["ratios"]) == 2
-
-
 def test_checkpointing_summary_states_the_removed_bytes_and_the_peaks():
     from helpers.measure.activations import checkpointing_summary
 

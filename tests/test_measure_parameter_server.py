@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.measure.parameter_server import (interval_rates, judge_speedup, print_crash, ring_against_server,
-                                               server_and_ring_bytes)
+from helpers.measure.parameter_server import interval_rates, print_crash, server_and_ring_bytes, speedup
 
 
 @pytest.mark.parametrize("n", [2, 3, 8, 64])
@@ -25,19 +24,11 @@ def _record(times, samples):
     return {"curve": [{"time": t, "samples": s} for t, s in zip(times, samples)]}
 
 
-def test_interval_rates_and_a_side_by_side_ratio(capsys):
+def test_interval_rates_and_a_side_by_side_ratio():
     slow, fast = _record([0, 1, 2, 4], [0, 10, 20, 30]), _record([0, 0.5, 1, 2], [0, 10, 20, 30])
     assert interval_rates(slow) == [10.0, 10.0, 5.0]
-    assert judge_speedup("x", 1.41, fast, slow, here="test") == 2.0
-    assert "not comparable here" in capsys.readouterr().out
-
-
-def test_the_ring_claims_verdict_follows_the_worker_count(capsys):
-    bytes_by_n = ring_against_server([2, 8], 1000.0, workers=3)
-    assert sorted(bytes_by_n) == [2, 3, 8]  # the judged count is always among those printed
-    assert "verdict for 3 workers, total bytes: below" in capsys.readouterr().out  # 1/3 = 33% < 50%
-    ring_against_server([8], 1000.0, workers=2)
-    assert "verdict for 2 workers, total bytes: within" in capsys.readouterr().out  # exactly 50%
+    s = speedup(fast, slow)
+    assert s["median"] == 2.0 and s["n"] == 3 and s["low"] <= 2.0 <= s["high"]
 
 
 def test_print_crash_names_each_event(capsys):
@@ -47,3 +38,14 @@ def test_print_crash_names_each_event(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "the launcher: rank 2 died" and "after update 7: trainer2: ping failed: EPIPE" in out[1]
     assert "20 updates, 600 samples" in out[2] and out[3].endswith("3.0 s, none of it hanging")
+
+
+def test_tensorpipe_still_takes_the_private_transports_option_that_start_rpc_passes():
+    # scripts/rpc_parameter_server.py's start_rpc passes `_transports=["uv"]` when there are more processes than
+    # cores (no public option chooses TensorPipe's transport): this fails first, by name, if torch drops it.
+    import inspect
+
+    import torch.distributed.rpc as rpc
+
+    assert "_transports" in inspect.signature(rpc.TensorPipeRpcBackendOptions.__init__).parameters
+    rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, _transports=["uv"])  # accepted as start_rpc passes it

@@ -123,78 +123,8 @@ class SavedActivations:
         return sum(self._parameters.values())
 
 
-def checkpointing_cost(make_model, checkpoint_blocks, loss_of, get_batch, steps: int, seed: int = 0) -> dict:
-    """Both sides of activation checkpointing's trade, for a model whose `blocks` are a ModuleList. Runs in a worker.
-
-    The notebook's plain pieces: `make_model()`, `checkpoint_blocks(model)` (wraps each block, returns the model),
-    `loss_of(model, x, y)` and `get_batch(g)`. Measured with and without checkpointing, from the same weights on
-    the same batch: the bytes saved for backward (`SavedActivations`), what one block alone saves and the bytes
-    of its input (so the notebook can check exactly what checkpointing removes), block forwards per step
-    (recomputation shows as extra calls), the peak of one whole step (`LiveTensorBytes`; on a GPU
-    `torch.cuda.max_memory_allocated` above the baseline), and the step time (interleaved, median).
-    """
-    import statistics
-
-    from helpers.measure.precision import precision_device, step_seconds
-
-    device = precision_device()
-    x, y = (t.to(device) for t in get_batch(torch.Generator().manual_seed(seed)))
-    runs, block_input = {}, {}
-    for ac in (False, True):
-        torch.manual_seed(seed)
-        model = make_model().to(device)
-        calls = [0]
-        for block in model.blocks:  # count block forwards before wrapping: recomputation calls them again
-            block.register_forward_pre_hook(lambda mod, args, calls=calls: calls.__setitem__(0, calls[0] + 1))
-        model.blocks[0].register_forward_pre_hook(lambda mod, args: block_input.update(shape=args[0].shape))
-        if ac:
-            model = checkpoint_blocks(model)
-        runs[ac] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3), "calls": calls,
-                    "times": []}
-
-    def train_step(r):
-        loss_of(r["model"], x, y).backward()
-        r["opt"].step()
-        r["opt"].zero_grad(set_to_none=True)
-
-    out = {"saved_bytes": {}, "peak_bytes": {}, "forward_calls": {}, "step_ms": {}}
-    for ac, r in runs.items():
-        with SavedActivations() as saved:  # what autograd keeps at the end of forward, parameters aside
-            loss = loss_of(r["model"], x, y)
-        loss.backward()
-        r["model"].zero_grad(set_to_none=True)
-        out["saved_bytes"][ac] = saved.bytes
-        train_step(r)  # the first step creates the optimizer state; measure the next one
-        r["calls"][0] = 0
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            train_step(r)
-            torch.cuda.synchronize(device)
-            out["peak_bytes"][ac] = torch.cuda.max_memory_allocated(device) - base
-        else:
-            with LiveTensorBytes() as live:
-                train_step(r)
-            out["peak_bytes"][ac] = live.peak
-        out["forward_calls"][ac] = r["calls"][0]
-    h = torch.randn(block_input["shape"], device=device, requires_grad=True)
-    with SavedActivations() as one:  # one block alone, on an input shaped like inside the model
-        runs[False]["model"].blocks[0](h)
-    out["one_block_saved"], out["block_input_bytes"] = one.bytes, h.numel() * h.element_size()
-    for _ in range(steps):  # interleaved timing
-        for r in runs.values():
-            r["times"].append(step_seconds(lambda: train_step(r), device)[1])
-    out["step_ms"] = {ac: statistics.median(r["times"]) * 1e3 for ac, r in runs.items()}
-    out["ratios"] = [b / a for a, b in zip(runs[False]["times"], runs[True]["times"])]
-    out["n_layers"] = len(runs[False]["model"].blocks)
-    out["peak_label"] = ("peak allocated (torch.cuda.max_memory_allocated)" if device.type == "cuda" else
-                         "peak live tensors during one step")
-    return out
-
-
 def checkpointing_summary(ac: dict) -> str:
-    """`checkpointing_cost`'s memory side in one line: the bytes saved for backward without and with
+    """Notebook 05's `checkpointing_cost` memory side in one line: the bytes saved for backward without and with
     checkpointing (and the closed form of the difference: each block's saved tensors but its input), and the
     peak of one step."""
     mib = 2.0 ** 20

@@ -1,15 +1,15 @@
 """Reading a parameter server's record (notebook 04): rates, speed-ups, bytes per codec, ring vs PS, a crash.
 
 Why a module: notebook 04's servers record what happened (snapshots with their time and sample count, the
-staleness of every update, what each trainer sent); turning that record into a table, a ratio with its noise
-and a verdict on an article's claim is bookkeeping, not the RPC the reader is learning. The closed forms of the
-bytes a parameter server and a ring all-reduce move per round live here too, with a unit test.
+staleness of every update, what each trainer sent); turning that record into a table or a ratio with its noise is
+bookkeeping, not the RPC the reader is learning. The closed forms of the bytes a parameter server and a ring
+all-reduce move per round live here too, with a unit test (the appendix of common advice reads them).
 """
 from __future__ import annotations
 
 import statistics
 
-from helpers.measure.claims import median_interval, verdict
+from helpers.measure.claims import median_interval
 
 
 def interval_rates(run: dict) -> list[float]:
@@ -28,22 +28,14 @@ def print_runs(runs: dict[str, dict]) -> None:
               f"{sum(r['staleness']) / len(r['staleness']):>15.2f}")
 
 
-def judge_speedup(label: str, claimed: float, faster: dict, slower: dict, here: str) -> float:
-    """Print seed 003's claim, this machine's ratio of samples/s with its noise, and two verdicts; return the ratio.
+def speedup(faster: dict, slower: dict) -> dict[str, float]:
+    """How many times the samples per second of `faster`'s server beat `slower`'s: {'median', 'low', 'high', 'n'}.
 
     Both servers snapshot after the same numbers of samples, so the ratio is taken interval by interval, side by
-    side; its median and a bootstrap interval of the median carry the noise. The article's figure is for 32 GPUs
-    across a network ('not comparable here'); whether the faster design is faster at all can be judged here.
-    """
+    side; its median and a bootstrap interval of the median carry the noise."""
     ratios = [f / s for f, s in zip(interval_rates(faster), interval_rates(slower))]
-    ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
-    print(f"claim (seed 003): {label} {claimed}x faster than synchronous SGD; setting: ResNet-50, 8 nodes x 4 A100")
-    print(f"measured here: {ratio:.2f}x samples/s (90% interval {low:.2f}-{high:.2f}x, {len(ratios)} intervals); "
-          f"setting: {here}")
-    print(f"  verdict on {claimed}x: " + verdict(ratio, claimed, claimed, slack=0.1, applicable=False, reason=(
-        f"the claim is for 32 GPUs training ResNet-50 across a network; here {here}")))
-    print("  faster at all here (1x or more)? " + verdict(ratio, 1.0, None, unit="x", spread=(low, high)))
-    return ratio
+    low, high = median_interval(ratios)
+    return {"median": statistics.median(ratios), "low": low, "high": high, "n": len(ratios)}
 
 
 def codec_rows(compressed: dict[str, list], make_codec, shapes: list[tuple[int, ...]]) -> list[dict]:
@@ -75,24 +67,6 @@ def server_and_ring_bytes(n: int, gradient_bytes: float) -> dict[str, float]:
     ring_total = n * ring_link / 2
     return {"server_link": server_link, "ring_link": ring_link, "server_total": server_link, "ring_total": ring_total,
             "busiest_cut": 100 * (1 - ring_link / server_link), "total_cut": 100 * (1 - ring_total / server_link)}
-
-
-def ring_against_server(ns, gradient_bytes: float, workers: int) -> dict[int, dict]:
-    """Seed 001's claim (a ring all-reduce moves 50-70% fewer bytes than a parameter server) judged on counted
-    bytes: `server_and_ring_bytes` for each n in `ns` (and `workers`), one line per n in MB per round, then the
-    verdict on the total cut for `workers` workers. Returns the byte counts by n."""
-    print("\nclaim (seed 001): ring all-reduce needs 50-70% less communication than a parameter server")
-    out = {}
-    for n in sorted(set(ns) | {workers}):
-        b = out[n] = server_and_ring_bytes(n, gradient_bytes)
-        print(f"  {n} workers, per round: parameter server's link {b['server_link'] / 1e6:.2f} MB, a ring rank's "
-              f"{b['ring_link'] / 1e6:.2f} MB ({b['busiest_cut']:.0f}% less on the busiest link); total "
-              f"{b['server_total'] / 1e6:.2f} MB vs {b['ring_total'] / 1e6:.2f} MB ({b['total_cut']:.0f}% less)")
-    print(f"verdict for {workers} workers, total bytes: {verdict(out[workers]['total_cut'], 50, 70, unit='%')}; "
-          "the busiest link gains at least as much, and its gain grows with the number of workers. Bytes are counted "
-          "from the payloads and the ring's closed form, not timed: no noise enters, and the figure holds on any "
-          "network.")
-    return out
 
 
 def print_crash(error, server: dict, elapsed_s: float) -> None:

@@ -93,7 +93,8 @@ def fp32_matmul_precision(precision: str):
 
     `torch.backends.cuda.matmul.fp32_precision` (cuBLAS) and `torch.backends.cudnn.conv.fp32_precision` replaced
     `allow_tf32` and `torch.set_float32_matmul_precision('high')` in torch 2.9; where they are missing the
-    `allow_tf32` booleans are set instead. The previous values are restored on exit.
+    `allow_tf32` booleans are set instead. The previous values are restored on exit. Yields the settings in
+    force inside (`fp32_settings()`), so a caller can record what a run really ran with.
     """
     if precision not in ("ieee", "tf32"):
         raise ValueError(f"precision must be 'ieee' or 'tf32', not {precision!r}")
@@ -102,7 +103,7 @@ def fp32_matmul_precision(precision: str):
     try:
         for home, name in settings:
             setattr(home, name, precision if name == "fp32_precision" else precision == "tf32")
-        yield
+        yield fp32_settings()
     finally:
         for (home, name), value in zip(settings, old):
             setattr(home, name, value)
@@ -179,45 +180,7 @@ def scale_trajectory(init_scale: float, found_inf: list[bool], growth_factor: fl
     return scales
 
 
-def amdahl_bound(matmul_speedup: float, memory_speedup: float = 2.0) -> float:
-    """The most a whole step can gain when its matmuls gain `matmul_speedup` and everything else at most
-    `memory_speedup` (half the bytes moved): a weighted harmonic mean never exceeds its largest term."""
-    return max(matmul_speedup, memory_speedup)
-
-
-def speedup_verdict(measured: float, claimed_low: float, claimed_high: float | None, supported: bool,
-                    ceiling: float | None = None, reason: str = "",
-                    spread: tuple[float, float] | None = None) -> str:
-    """`claims.verdict` on a claimed speed-up (10% grace above a range's high end), followed by the measurement,
-    the matmul ceiling measured in the same run, and what that ceiling says about a shortfall.
-
-    supported=False: the claim's setting is not this machine's (no unit for the format, or a CPU measured against
-    a GPU claim): 'not comparable here' with `reason`, and no speed-up is claimed. spread: the interval the
-    repeats allow (e.g. `claims.median_interval` of per-step ratios); it straddles an edge: 'inconclusive'.
-    """
-    grace = 0.1 * claimed_high if claimed_high is not None else 0.0
-    text = claims.verdict(measured, claimed_low, claimed_high, slack=(0.0, grace), unit="x", applicable=supported,
-                          reason=reason or "no hardware for this format", spread=spread)
-    noise = f" (noise allows {min(spread):.2f}-{max(spread):.2f}x)" if spread is not None else ""
-    text += f"; measured {measured:.2f}x{noise}" + ("" if supported else ", no speed-up claimed")
-    if ceiling is not None:
-        text += f"; the matmul ceiling measured in the same run is {ceiling:.2f}x"
-        if supported and text.startswith("below"):
-            text += (" (the hardware's own matmul gain is below the claim)" if ceiling < claimed_low else
-                     " (the matmuls could gain more: this step is not matmul-bound at this size)")
-    return text
-
-
-# ---- The step-time benchmark: runs in a worker, wraps the notebook's plain training step from outside. ----
-
-def precision_device() -> torch.device:
-    """The device a one-rank benchmark runs on: this rank's GPU where there is one, else the CPU."""
-    import os
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
+# ---- Measuring machinery notebook 05's benchmark worker is handed: timing, TF32 settings, ceilings. ----
 
 def step_seconds(fn, device: torch.device) -> tuple[object, float]:
     """(what `fn()` returned, its seconds): CUDA events on a GPU (the GPU's own clock: the time between two points
@@ -262,139 +225,31 @@ def fp32_settings() -> dict[str, str]:
             str(getattr(home, name)) for home, name in _tf32_settings()}
 
 
-def empty_cache_cost(step, device: torch.device, pairs: int, empty=None) -> dict[str, list[float]]:
-    """Seed 001's "clear the GPU memory periodically", priced: `pairs` pairs of one training step as usual and
-    one that starts with `torch.cuda.empty_cache()`, both timed (`step_seconds`), the first pair left out.
-
-    Why pairs of the same model's steps, and the emptying at the start of a step: `empty_cache()` costs nothing
-    itself; the price is paid by whichever step next allocates, which must `cudaMalloc` every block again. Emptied
-    at the end of a step inside an interleaved benchmark, it would bill the next mode (the fp32 baseline) and
-    inflate every speed-up. Here the emptied step pays its own re-allocation, and the plain step after it finds
-    the cache refilled with blocks of exactly its sizes. `empty`: the call that empties (a test passes its own).
-    """
-    empty = empty or torch.cuda.empty_cache
-    out = {"plain_s": [], "emptied_s": []}
-
-    def emptied():
-        empty()
-        return step()
-
-    for _ in range(pairs):
-        out["plain_s"].append(step_seconds(step, device)[1])
-        out["emptied_s"].append(step_seconds(emptied, device)[1])
-    return {k: v[1:] for k, v in out.items()}
-
-
-def time_precisions(train_step, make_model, get_batch, modes: dict[str, dict], steps: int, warmup: int,
-                    mlp_shape: tuple[int, int, int], ceiling_n: int = 512, empty_cache_of: str | None = None,
-                    lr: float = 1e-3, seed: int = 0) -> dict:
-    """Train one model per mode from the same weights on the same batches, steps interleaved, and time each step.
-
-    Runs in a worker. The notebook's plain pieces do the training: `make_model()` (on the CPU), `get_batch(g)`
-    -> (x, y) from a torch.Generator, `train_step(model, opt, scaler, x, y, dtype)` -> loss. Each mode is a
-    dict: `dtype` (the autocast dtype, float32 for none), `fp32_precision` ('ieee' or 'tf32', set here in the
-    worker around each of the mode's steps, and restored after), optional `compile` (torch.compile the model).
-    fp16 gets a GradScaler. Interleaving (one step of every mode in turn) makes a noisy neighbour slow every mode
-    alike, so a per-step ratio against the first mode is a ratio taken side by side. The first `warmup` steps of
-    every mode (compilation, autotuning, the allocator's first blocks) are left out of `times` and `ratios`.
-    The matmul throughput per format is measured in the same process: the ceiling a step's speed-up is bounded
-    by, at the model's MLP shape `mlp_shape` (tokens, d, 4d) and at a large square (`ceiling_n`).
-    `lr`: AdamW's learning rate. `empty_cache_of`: on a GPU, the mode whose model then prices
-    `torch.cuda.empty_cache()` (`empty_cache_cost`).
-    """
-    import warnings
-
-    device = precision_device()
-    runs = {}
-    for name, mode in modes.items():
-        torch.manual_seed(seed)  # the same initial weights in every mode
-        model = make_model().to(device)
-        parameters = sum(p.numel() for p in model.parameters())
-        if mode.get("compile"):
-            model = torch.compile(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
-        scaler = torch.amp.GradScaler(device.type, enabled=mode["dtype"] == torch.float16)
-        runs[name] = {"model": model, "opt": opt, "scaler": scaler, "losses": [], "times": [], "settings": None}
-
-    def step_of(name, x, y):
-        r = runs[name]
-        return lambda: train_step(r["model"], r["opt"], r["scaler"], x, y, modes[name]["dtype"])
-
-    g = torch.Generator().manual_seed(seed)
-    with warnings.catch_warnings():
-        # Inductor advises TF32 when it compiles an fp32 model with TF32 off: here that is the point of the run.
-        warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores.*")
-        for _ in range(steps):
-            x, y = (t.to(device) for t in get_batch(g))
-            for name, r in runs.items():
-                with fp32_matmul_precision(modes[name]["fp32_precision"]):
-                    r["settings"] = r["settings"] or fp32_settings()
-                    loss, seconds = step_seconds(step_of(name, x, y), device)
-                r["times"].append(seconds)
-                r["losses"].append(float(loss))
-        empty_cache = None
-        if empty_cache_of is not None and device.type == "cuda":
-            x, y = (t.to(device) for t in get_batch(g))
-            with fp32_matmul_precision(modes[empty_cache_of]["fp32_precision"]):
-                empty_cache = {"mode": empty_cache_of,
-                               **empty_cache_cost(step_of(empty_cache_of, x, y), device, steps - warmup + 1)}
-    first = next(iter(modes))
-    times = {n: r["times"][warmup:] for n, r in runs.items()}
+def ceilings(device, modes: dict[str, dict], mlp_shape: tuple[int, int, int], ceiling_n: int) -> dict:
+    """What the hardware itself can do for each mode's format, measured in the worker that times the steps: its
+    name and formats (`hardware_formats`), the matmul FLOP/s at the model's MLP shape (tokens, d, 4d) and at a large
+    square (`ceiling_n`), and the relative error of one matmul against float64. Compiled modes share their format's."""
+    device = torch.device(device)
     dtype_of = {n: (m["dtype"], m["fp32_precision"]) for n, m in modes.items() if not m.get("compile")}
-    return {
-        "device": str(device), "hardware": hardware_formats(device), "parameters": parameters,
-        "losses": {n: r["losses"] for n, r in runs.items()}, "times": times,
-        "first_step_s": {n: r["times"][0] for n, r in runs.items()},
-        "ratios": {n: [a / b for a, b in zip(times[first], t)] for n, t in times.items()},
-        "fp32_settings": {n: r["settings"] for n, r in runs.items()},
-        "empty_cache": empty_cache,
-        "flops_model": matmul_flops(device, dtype_of, *mlp_shape),
-        "flops_square": matmul_flops(device, dtype_of, ceiling_n, ceiling_n, ceiling_n),
-        "errors": {n: matmul_error(device, dt, n=256, precision=p) for n, (dt, p) in dtype_of.items()},
-    }
+    return {"hardware": hardware_formats(device),
+            "flops_model": matmul_flops(device, dtype_of, *mlp_shape),
+            "flops_square": matmul_flops(device, dtype_of, ceiling_n, ceiling_n, ceiling_n),
+            "errors": {n: matmul_error(device, dt, n=256, precision=p) for n, (dt, p) in dtype_of.items()}}
 
 
-def cudnn_benchmark_effect(shapes: list[int], repeats: int = 20, channels: int = 64, batch: int = 32) -> dict | None:
-    """What `torch.backends.cudnn.benchmark = True` does to a small conv net's training step, on a GPU.
-
-    With benchmark on, cuDNN times several algorithms the first time it meets an input shape and keeps the
-    fastest: the first step at a new shape pays that search, later steps at that shape may be faster. So it
-    helps a fixed input shape and harms when shapes keep changing (variable image sizes or sequence lengths),
-    where every new shape pays the search again. Returns None on a CPU (cuDNN is a CUDA library: the flag does
-    nothing there). For each setting: the first step at each shape, and the median of `repeats` steps at the
-    first shape.
-    """
-    device = precision_device()
-    if device.type != "cuda":
-        return None
-    out = {}
-    old = torch.backends.cudnn.benchmark
-    try:
-        for bench in (False, True):
-            torch.backends.cudnn.benchmark = bench
-            torch.manual_seed(0)
-            net = torch.nn.Sequential(torch.nn.Conv2d(3, channels, 3, padding=1), torch.nn.ReLU(),
-                                      torch.nn.Conv2d(channels, channels, 3, padding=1), torch.nn.ReLU(),
-                                      torch.nn.Conv2d(channels, 3, 3, padding=1)).to(device)
-
-            def step(x):
-                net(x).square().mean().backward()
-
-            first = []
-            for size in shapes:  # a new shape each time: the search, if any, is paid here
-                x = torch.randn(batch, 3, size, size, device=device)
-                first.append(step_seconds(lambda: step(x), device)[1])
-            x = torch.randn(batch, 3, shapes[0], shapes[0], device=device)
-            steady = [step_seconds(lambda: step(x), device)[1] for _ in range(repeats)]
-            out[bench] = {"first_s": first, "steady_s": steady, "steady_median_s": statistics.median(steady)}
-    finally:
-        torch.backends.cudnn.benchmark = old
-    return out
+def split_warmup(bench: dict, warmup: int) -> dict:
+    """The benchmark worker's per-step seconds ('seconds', every step of every mode) without the first `warmup`
+    steps of each mode (compilation, autotuning, the allocator's first blocks) as 'times', each step's ratio to
+    the first mode's step of the same round as 'ratios' (a ratio taken side by side), and 'first_step_s'."""
+    first = next(iter(bench["seconds"]))
+    times = {n: s[warmup:] for n, s in bench["seconds"].items()}
+    return {**bench, "times": times, "first_step_s": {n: s[0] for n, s in bench["seconds"].items()},
+            "ratios": {n: [a / b for a, b in zip(times[first], t)] for n, t in times.items()}}
 
 
 def bench_summary(bench: dict, modes: list[str]) -> tuple[dict, dict, dict]:
-    """From `time_precisions`'s result: (speed-up, ceiling, final loss) per mode. The speed-up over the first
-    mode is `ratio_with_noise` of the per-step ratios; the matmul ceiling is its base format's (a mode
+    """From the benchmark's result (`split_warmup`): (speed-up, ceiling, final loss) per mode. The speed-up over
+    the first mode is `ratio_with_noise` of the per-step ratios; the matmul ceiling is its base format's (a mode
     'bf16 + compile' has bf16's); the final loss is the mean of the last 3 steps. Printed as one table, with
     the median step time, the range of the middle 80% of steps, and the first step (compilation included)."""
     speedup = {m: ratio_with_noise(bench["ratios"][m]) for m in modes}
@@ -412,48 +267,9 @@ def bench_summary(bench: dict, modes: list[str]) -> tuple[dict, dict, dict]:
     return speedup, ceiling, final
 
 
-def print_cudnn_effect(cudnn: dict) -> None:
-    """`cudnn_benchmark_effect`'s result as three lines: first steps per new shape and the steady step, per
-    setting, then the steady gain and the cost of the searches."""
-    for bench_on in (False, True):
-        r = cudnn[bench_on]
-        print(f"cudnn.benchmark={bench_on!s:<5}: first step at each new shape "
-              f"{[round(t * 1e3, 1) for t in r['first_s']]} ms; steady step {r['steady_median_s'] * 1e3:.2f} ms")
-    gain = cudnn[False]["steady_median_s"] / cudnn[True]["steady_median_s"]
-    print(f"fixed shape: benchmark=True runs {gain:.2f}x as fast once tuned; new shapes cost "
-          f"{sum(cudnn[True]['first_s']) / sum(cudnn[False]['first_s']):.2f}x the time of untuned first steps")
-
-
-# ---- Probes whose results notebook 05 shows as tables: what autocast produced, GradScaler at work. ----
+# ---- Tables of what notebook 05's workers return: autocast's dtypes, number formats, GradScaler at work. ----
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast_dtypes(device_type: str, dtype: torch.dtype) -> dict[str, str]:
-    """Which dtype each kind of op produces under autocast on `device_type`; parameters and gradients stay fp32.
-
-    The op lists differ by device and by torch version, so the table is measured, not copied from the docs.
-    Call it for 'cuda' only in a worker (the kernel never touches CUDA).
-    """
-    from torch import nn
-
-    torch.manual_seed(0)
-    linear, norm = nn.Linear(64, 64).to(device_type), nn.LayerNorm(64).to(device_type)
-    x, target = torch.randn(8, 64, device=device_type), torch.randint(0, 64, (8,), device=device_type)
-    with torch.autocast(device_type, dtype=dtype):
-        h = linear(x)
-        seen = {"linear (matmul)": h.dtype, "layer_norm": norm(h).dtype, "softmax": torch.softmax(h, -1).dtype,
-                "gelu": nn.functional.gelu(h).dtype, "add (h + x)": (h + x).dtype,
-                "cross_entropy(h)": nn.functional.cross_entropy(h, target).dtype}
-        loss = nn.functional.cross_entropy(h.float(), target)
-    loss.backward()
-    seen["parameter"], seen["gradient"] = linear.weight.dtype, linear.weight.grad.dtype
-    return {k: str(v).replace("torch.", "") for k, v in seen.items()}
-
-
-def autocast_tables(device_type: str = "cpu") -> dict[str, dict[str, str]]:
-    """`autocast_dtypes` for bf16 and fp16 on `device_type`, keyed 'cpu bf16', 'cpu fp16', ..."""
-    return {f"{device_type} {name}": autocast_dtypes(device_type, dtype) for name, dtype in LOW_PRECISION.items()}
 
 
 def print_tables(tables: dict[str, dict[str, str]]) -> None:
@@ -476,55 +292,10 @@ def print_formats() -> None:
     print(f"{'tf32':<7}{8:>4}{10:>5}{2.0 ** -10:>11.3g}   (fp32's range; only inside tensor-core matmuls)")
 
 
-def grad_scaler_at_work(make_model, get_batch, loss_of, steps: int, init_scale: float, growth_interval: int) -> tuple:
-    """GradScaler observed from outside, in a worker (CUDA where there is a GPU): two records.
-
-    (a) One linear layer under fp16 autocast with a tiny loss (2^-30): its weight gradient in fp32, in fp16 with
-    no scaler (it underflows), and with a GradScaler (scaled, then unscaled). (b) `make_model()` trained under
-    fp16 with a scale that starts at `init_scale`: per step the scale used, whether a gradient overflowed, whether
-    the weights changed, the loss. `loss_of(model, x, y, dtype)` and `get_batch(g)` are the notebook's own.
-    """
-    from torch import nn
-
-    device = precision_device()
-    torch.manual_seed(0)
-    layer, x = nn.Linear(64, 64).to(device), torch.randn(16, 64, device=device)
-    grads = {}
-    for how in ("fp32", "fp16, no scaler", "fp16, GradScaler"):
-        layer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.float16, enabled=how != "fp32"):
-            loss = layer(x).float().sum() * 2.0 ** -30
-        if how == "fp16, GradScaler":
-            scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 16)
-            scaler.scale(loss).backward()
-            scaler.unscale_(torch.optim.SGD(layer.parameters(), lr=0.0))  # divides the gradients by the scale
-        else:
-            loss.backward()
-        grads[how] = layer.weight.grad.cpu()
-    torch.manual_seed(0)
-    model = make_model().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
-    g, log = torch.Generator().manual_seed(0), []
-    for step in range(steps):
-        x, y = (t.to(device) for t in get_batch(g))
-        loss = loss_of(model, x, y, torch.float16)
-        scale = scaler.get_scale()
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)  # true size now (fp32): inspect or clip here
-        overflow = not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
-        before = [p.detach().clone() for p in model.parameters()]
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        updated = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-        log.append({"step": step, "scale": scale, "overflow": overflow, "updated": updated, "loss": loss.item()})
-    return grads, log
-
-
 def scaler_table(grads: dict, log: list[dict], rows: int = 10) -> str:
-    """`grad_scaler_at_work`'s two records as text: per way of computing it, the share of the weight gradient that
-    is zero and its largest magnitude; then the first `rows` steps of the GradScaler log (scale as a power of 2)."""
+    """Notebook 05's `grad_scaler_at_work` records as text: per way of computing it, the share of the weight
+    gradient that is zero and its largest magnitude; then the first `rows` steps of the GradScaler log (the scale
+    as a power of 2)."""
     import math
 
     lines = [f"{how:<17} weight gradient: {float((g == 0).float().mean()):6.1%} zeros, largest |g| {g.abs().max():.3g}"
@@ -534,40 +305,10 @@ def scaler_table(grads: dict, log: list[dict], rows: int = 10) -> str:
     return "\n".join(lines)
 
 
-def amp_and_sharding(init_distributed, make_model, get_batch, loss_of, allreduce_in, shard, policies: dict, steps: int,
-                     record=contextlib.nullcontext, peak=contextlib.nullcontext, lr: float = 1e-3) -> dict:
-    """Runs in every rank: DDP with bf16 autocast, its gradients all-reduced by the notebook's hook in fp32 then
-    in bf16; then FSDP2 under each of `policies` ({name: (MixedPrecisionPolicy, checkpoint blocks?)}). Every
-    variant starts from the same weights (seed 0) and sees the same batches (each rank its own).
-
-    The notebook's plain pieces do the work: `init_distributed()` (the recipe's process group; returns the device),
-    `make_model()` (a GPT with `.blocks` and `.head`), `get_batch(g)`,
-    `loss_of(model, x, y, dtype)`, `allreduce_in(wire)` -> a DDP comm hook whose state is a list it appends
-    (dtype, bytes) to, and `shard(model, mesh, policy, checkpoint)`. The last step of each variant runs inside
-    `record()` (a collective log with `.summary()`) and, for FSDP2, `peak()` (with `.peak` bytes). Returns per
-    variant: losses, the loss's dtype, the collectives ('hook' for DDP), the peak; for FSDP2 also the dtype the
-    first block computes in and the dtype the weights are kept in. A rank uses its GPU where every local rank has
-    one (NCCL), else the CPU with gloo. `lr`: AdamW's learning rate.
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    device = init_distributed()
-    try:
-        return _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak,
-                             device, init_device_mesh(device.type, (dist.get_world_size(),)), DDP, lr)
-    finally:
-        import gc
-
-        gc.collect()  # models, optimizers and their pending work are freed before the group goes
-        dist.destroy_process_group()
-
-
 def wire_rows(variants: dict) -> list[tuple[str, str, int]]:
-    """One rank's `amp_and_sharding` result as (variant: collective, dtypes, bytes per step) rows: the DDP hook's
-    all-reduce, FSDP2's all-gather and reduce-scatter; what `wire_table` prints and `plots.precision.collective_bytes`
-    draws."""
+    """One rank's result of notebook 05's `amp_under_ddp_and_fsdp` as (variant: collective, dtypes, bytes per step)
+    rows: the DDP hook's all-reduce, FSDP2's all-gather and reduce-scatter; what `wire_table` prints and
+    `plots.precision.collective_bytes` draws."""
     from helpers.measure.comm_log import ALL_GATHER, REDUCE_SCATTER
 
     return [(f"{name}: {kind}", "/".join(c["dtypes"]).replace("torch.", ""), c["bytes"])
@@ -581,49 +322,7 @@ def wire_table(rows: list[tuple[str, str, int]]) -> str:
                      for label, dtype, nbytes in rows)
 
 
-def _amp_variants(make_model, get_batch, loss_of, allreduce_in, shard, policies, steps, record, peak, device,
-                  mesh, DDP, lr) -> dict:
-    """The variants of `amp_and_sharding`, inside a function so that every model is freed when it returns."""
-    import torch.distributed as dist
-
-    out = {}
-
-    def run(name, model, dtype=torch.float32, log_peak=False):
-        opt, g = torch.optim.AdamW(model.parameters(), lr=lr), torch.Generator().manual_seed(dist.get_rank())
-        losses, comm, live = [], None, None
-        for step in range(steps):
-            x, y = (t.to(device) for t in get_batch(g))
-            last = step == steps - 1
-            with (record() if last else contextlib.nullcontext()) as comm, \
-                    (peak() if last and log_peak else contextlib.nullcontext()) as live:
-                loss = loss_of(model, x, y, dtype)
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        out[name] = {"losses": losses, "comm": comm.summary() if comm else None,
-                     "peak": live.peak if live else None, "loss_dtype": str(loss.dtype)}
-        return out[name]
-
-    for wire in (torch.float32, torch.bfloat16):
-        torch.manual_seed(0)
-        model = DDP(make_model().to(device), device_ids=[device.index] if device.type == "cuda" else None)
-        sent = []
-        model.register_comm_hook(sent, allreduce_in(wire))
-        r = run(f"DDP, {str(wire)[6:]} all-reduce", model, torch.bfloat16)
-        r["hook"] = {"all-reduce": {"bytes": sum(b for _, b in sent) // steps, "dtypes": sorted({d for d, _ in sent})}}
-    for name, (policy, checkpoint) in policies.items():
-        torch.manual_seed(0)
-        model = shard(make_model().to(device), mesh, policy, checkpoint)
-        seen = {}
-        model.blocks[0].register_forward_pre_hook(lambda mod, args: seen.update(compute=str(args[0].dtype)))
-        r = run(name, model, log_peak=True)
-        r["compute"], r["weights"] = seen["compute"], str(model.head.weight.to_local().dtype)
-    return out
-
-
-# ---- Printing notebook 05's verdicts and headlines: one call per table, so the notebook keeps the claims and asserts
-# ---- in view and this module keeps the loops that format them.
+# ---- Printing notebook 05's headlines and targets: one call each, so the notebook keeps its asserts in view.
 
 def warnings_of(fn, category: type[Warning] = Warning) -> list[str]:
     """The messages of the warnings of `category` that calling `fn()` emits, each shown even if shown before (the
@@ -634,15 +333,6 @@ def warnings_of(fn, category: type[Warning] = Warning) -> list[str]:
         warnings.simplefilter("always")
         fn()
     return [str(w.message) for w in caught if issubclass(w.category, category)]
-
-
-def print_speed_claims(speed_claims: dict, speedup: dict, ceiling: dict, where: str) -> None:
-    """One `speedup_verdict` line per claim, {label: (mode, low, high, comparable here, the claim's setting)},
-    with the mode's measured median, its interval and its matmul ceiling; `where` describes this machine."""
-    for label, (m, low, high, comparable, setting) in speed_claims.items():
-        s = speedup[m]
-        print(f"{label:<30}" + speedup_verdict(s["median"], low, high, comparable, ceiling[m],
-                                               reason=f"{setting}; {where}", spread=(s["low"], s["high"])))
 
 
 def print_h100_targets(speedup: dict, targets: dict[str, float], gpu_name: str) -> None:
@@ -657,7 +347,7 @@ def print_h100_targets(speedup: dict, targets: dict[str, float], gpu_name: str) 
 
 
 def headline_speedups(speedup: dict, flops_square: dict, ceiling_n: int) -> None:
-    """Headline figures of a `time_precisions` run: every mode's speed-up over the first (the fp32 baseline), and
+    """Headline figures of notebook 05's benchmark: every mode's speed-up over the first (the fp32 baseline), and
     the matmul throughput per format (the ceilings, for docs/measurements.md beside the speed-ups)."""
     from helpers.measure.headline import headline
 
@@ -665,30 +355,3 @@ def headline_speedups(speedup: dict, flops_square: dict, ceiling_n: int) -> None
         headline(f"{m} step speed-up over fp32", speedup[m]["median"], "x")
     for m, flops in flops_square.items():
         headline(f"{m} matmul throughput, {ceiling_n}³", flops / 1e12, "TFLOP/s")
-
-
-def print_empty_cache_cost(ec: dict) -> None:
-    """`time_precisions`'s `empty_cache` record (GPU only: pairs of steps, the second opening with
-    `torch.cuda.empty_cache()`) as the verdict on 'empty the cache periodically': a ratio above 1 harms."""
-    cost = ratio_with_noise([a / b for a, b in zip(ec["emptied_s"], ec["plain_s"])])
-    print(f"empty_cache before every step ({ec['mode']}, {len(ec['plain_s'])} pairs): step time {cost['median']:.2f}x "
-          f"of the plain step's -> 'harms': "
-          + claims.verdict(cost["median"], 1.0, None, spread=(cost["low"], cost["high"]), unit="x")
-          + f" (noise allows {cost['low']:.2f}-{cost['high']:.2f}x)")
-
-
-def wire_halving(variants: dict, n_params: int) -> str:
-    """Seed 001's 'communication falls by 50%' judged on one rank's `amp_and_sharding` bytes, one line per way of
-    mixing precision: the bytes relative to fp32 (DDP: `4 * n_params` per all-reduce; FSDP2: the fp32 policy's
-    collective) and whether that halves them. Bytes are counted, not timed: no noise enters."""
-    from helpers.measure.comm_log import ALL_GATHER, REDUCE_SCATTER
-
-    ddp = {w: variants[f"DDP, {w} all-reduce"]["hook"]["all-reduce"]["bytes"] for w in ("float32", "bfloat16")}
-    f32, f16 = variants["FSDP2 fp32"]["comm"], variants["FSDP2 bf16 params, fp32 reduce"]["comm"]
-    gathered, scattered = (f16[k]["bytes"] / f32[k]["bytes"] for k in (ALL_GATHER, REDUCE_SCATTER))
-    return "\n".join(f"  {label:<40} {ratio:.2f}x -> "
-                     + ("halved: holds" if ratio <= 0.5 else "not reduced: does not hold")
-                     for label, ratio in (("DDP + autocast (default all-reduce)", ddp["float32"] / (4 * n_params)),
-                                          ("DDP + autocast + bf16 comm hook", ddp["bfloat16"] / (4 * n_params)),
-                                          ("FSDP2 policy, all-gather", gathered),
-                                          ("FSDP2 policy, reduce-scatter (fp32)", scattered)))

@@ -167,7 +167,7 @@ def memory_table(ranks: list[dict], strategies: list[str], psi: int, padding: in
 
 def step_time_table(bench: dict) -> str:
     """Milliseconds per step, median [min, max], and each configuration's step over its baselines', median [min,
-    max] of the round-by-round ratios (`helpers.measure.fsdp_bench.bf16_step_times`' result); a failed
+    max] of the round-by-round ratios (notebook 03b's `bf16_step_times` result, `fsdp_bench.with_ratios`); a failed
     configuration as its text."""
     median = lambda xs: sorted(xs)[len(xs) // 2]
     lines = [f"  {'configuration':<40} {'ms per step':>24}   step / baseline's step"]

@@ -34,7 +34,8 @@ def precision_comparison(bench: dict, speedup: dict[str, dict], modes: list[str]
     """Loss curves of each precision from the same start, their distance from fp32, and each mode's step speed-up
     (median of per-step ratios, with its interval as an error bar) beside the matmul ceilings of the same run.
 
-    bench: what `helpers.measure.precision.time_precisions` returned; speedup[mode] = {'median', 'low', 'high'}.
+    bench: notebook 05's `time_precisions` result after `helpers.measure.precision.split_warmup`;
+    speedup[mode] = {'median', 'low', 'high'}.
     A mode named 'bf16 + compile' is drawn against the ceiling of 'bf16'.
     """
     fig, (ax_loss, ax_diff, ax_speed) = new_figure(3, width=4.6)
