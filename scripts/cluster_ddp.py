@@ -4,8 +4,9 @@
 
 Every global step trains on the same global batch however many ranks share it (rank r takes rows r::world), so the
 result depends on the world size only through float rounding; a DCP checkpoint (get_state_dict/set_state_dict) is
-written every --save-every steps and the script resumes from the latest one by itself, which is all torchrun's
-restarts and elastic membership changes need.
+written every --save-every steps and committed with notebook 06's protocol (dcp_resume.py, which must sit beside
+this file), and the script resumes from the newest committed one by itself, which is all torchrun's restarts and
+elastic membership changes need.
 """
 import argparse
 import gc
@@ -20,6 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dcp_resume import clear_staging, commit, latest, staging_dir  # notebook 06's commit protocol
+
 ENV_NAMES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "ROLE_WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
 
@@ -32,13 +35,7 @@ def global_batch(step, batch, features, seed=0):
     return x, y
 
 
-def latest_checkpoint(ckpt_dir):
-    """The highest step whose checkpoint is complete (its .metadata exists), or None."""
-    done = [int(p.name.split("_")[1]) for p in Path(ckpt_dir).glob("step_*") if (p / ".metadata").exists()]
-    return max(done, default=None)
-
-
-def train(ckpt_dir, log_path, device, steps=40, batch=64, features=16, hidden=64, lr=0.05, save_every=5,
+def train(ckpt_dir, log_path, device, steps=40, batch=64, features=16, hidden=64, lr=0.05, save_every=5, keep=2,
           step_sleep=0.0, crash_at=-1, crash_rank=1):
     """Train from the latest checkpoint to `steps`; rank 0 logs each step's loss; returns plain values."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -46,12 +43,16 @@ def train(ckpt_dir, log_path, device, steps=40, batch=64, features=16, hidden=64
     model = DDP(torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)).to(device),
                 device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    start = latest_checkpoint(ckpt_dir) or 0
-    if start:  # resume: DCP reads each rank's view of the state, whatever world size wrote it
+    resume = latest(ckpt_dir)
+    start = int(resume.name.split("_")[1]) if resume else 0
+    if resume:  # DCP reads each rank's view of the state, whatever world size wrote it
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, f"step_{start}"))
+        dcp.load(state, checkpoint_id=resume)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if rank == 0:
+        clear_staging(ckpt_dir)  # saves that never finished
+    dist.barrier()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     mean = torch.tensor(float("nan") * world)  # a run started after its last step trains nothing: loss nan
@@ -66,10 +67,12 @@ def train(ckpt_dir, log_path, device, steps=40, batch=64, features=16, hidden=64
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         saved = step % save_every == 0 or step == steps
-        if saved:  # complete once dcp.save returns: its .metadata is written last
+        if saved:  # every rank's shards are written when dcp.save returns; rank 0 then commits them
             model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_dir, f"step_{step}"))
-        if rank == 0:  # logged after the save: a line with "saved" true names a complete checkpoint
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=staging_dir(ckpt_dir, step))
+            if rank == 0:
+                commit(ckpt_dir, step, keep)
+        if rank == 0:  # logged after the commit: a line with "saved" true names a committed checkpoint
             with open(log_path, "a") as f:
                 f.write(json.dumps({"step": step, "loss": mean.item() / world, "world": world, "saved": saved,
                                     "attempt": attempt, "time": time.time()}) + "\n")

@@ -2,7 +2,14 @@
 # Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 dcp_resume.py --help
 """Resumable FSDP2 training with Distributed Checkpoint (DCP), from notebook 06 of the cookbook: run the same
 command again after a failure (or let torchrun --max-restarts do it) and it resumes from the newest committed
-checkpoint bit for bit, at any world size; nothing saved depends on the rank or the device."""
+checkpoint. Nothing saved depends on the rank or the device.
+
+At the world size that wrote the checkpoint, the resumed run repeats the uninterrupted one's losses bit for bit (on
+CPUs; on GPUs within float rounding). At another world size the model, optimizer, schedule and step load exactly
+(so the evaluation loss on any batch is that of the saved model), but training goes on along another trajectory:
+DistributedSampler cuts the data into other shards, the global batch is --batch times the new world size, the
+dropout masks are keyed by rank, and the loader's saved position (batches drawn per rank) points elsewhere in the
+new shards."""
 import argparse
 import gc
 import json
@@ -17,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import init_device_mesh
@@ -138,6 +146,18 @@ def commit(root, step, keep=2):
         shutil.rmtree(old)
 
 
+def clear_staging(root):
+    """Delete the staging folders of saves that never finished (one rank, before any rank saves again)."""
+    for debris in Path(root).glob(".step_*.partial"):
+        shutil.rmtree(debris)
+
+
+def make_stager(device):
+    """On GPUs one stager for the run, its pinned CPU copy of the state allocated at the first save and refilled at
+    every later one. On CPUs None: async_save's default staging (torch 2.11 reuses no copy without pinned memory)."""
+    return BlockingAsyncStager(cache_staged_state_dict=True) if device.type == "cuda" else None
+
+
 def commit_when_written(future, step, ckpt_dir, keep):
     """Wait until an async save is written on this rank; rank 0 then publishes it."""
     future.result()
@@ -153,13 +173,12 @@ def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=
     rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     os.makedirs(ckpt_dir, exist_ok=True)
     app = build(device, d_model, n_layers, batch, total_steps, seed)
-    save_group = dist.new_group(backend="gloo")  # async saves talk on their own group
+    save_group, stager = dist.new_group(backend="gloo"), make_stager(device)  # async saves talk on their own group
     if (resume := latest(ckpt_dir)) is not None:
         dcp.load({"app": app}, checkpoint_id=resume)
     resumed_from, losses, pending = app.step, {}, None
     if rank == 0:
-        for debris in Path(ckpt_dir).glob(".step_*.partial"):  # saves that never finished
-            shutil.rmtree(debris)
+        clear_staging(ckpt_dir)
     dist.barrier()  # the debris is gone before any rank stages a save
     with open(Path(ckpt_dir) / f"losses.rank{rank}.jsonl", "a", buffering=1) as log:  # each line written at once
         while app.step < total_steps:
@@ -176,7 +195,7 @@ def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=
                     pending = None
                 if save_now:
                     pending = (dcp.async_save({"app": app}, checkpoint_id=staging_dir(ckpt_dir, app.step),
-                                              process_group=save_group), app.step)
+                                              process_group=save_group, async_stager=stager), app.step)
                 if app.step == total_steps:
                     break
             else:  # the epoch is over: the next one, in a new order
@@ -218,6 +237,78 @@ def main():
               f"resumed_from={result['resumed_from']} trained={len(result['losses'])} "
               f"last_loss={result['losses'].get(args.total_steps, float('nan')):.4f} "
               f"checkpoint={latest(args.ckpt_dir)}", flush=True)
+
+
+def held_bytes(tree):
+    """Bytes of the tensors this rank holds in a nested state (a DTensor counts its local shard)."""
+    if isinstance(tree, dict):
+        return sum(held_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(held_bytes(v) for v in tree)
+    if isinstance(tree, torch.distributed.tensor.DTensor):
+        tree = tree.to_local()
+    return tree.numel() * tree.element_size() if isinstance(tree, torch.Tensor) else 0
+
+
+def write_and_fsync(path, nbytes, block=os.urandom(8 << 20)):
+    """The disk's own cost: write `nbytes` to a new file, fsync it (as FileSystemWriter's sync_files does)."""
+    with open(path, "wb") as f:
+        for start in range(0, nbytes, len(block)):
+            f.write(block[:nbytes - start])
+        f.flush()
+        os.fsync(f.fileno())
+    os.unlink(path)
+
+
+def save_costs(root, d_model=384, n_layers=4, repeats=3, threads=4):
+    """The worker of "Measure it": seconds of each way to save, per repeat, on this rank (plain values)."""
+    device = init_distributed()
+    try:
+        app = build(device, d_model, n_layers)
+        train_step(app, *next(iter(app.loader)), device)  # both Adam moments exist
+        return time_saves({"app": app.state_dict()}, device, Path(root), repeats, threads)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def time_saves(state, device, root, repeats, threads):
+    """Interleaved repeats of every operation on the same state; each starts on all ranks at once."""
+    rank, gpu = dist.get_rank(), device.type == "cuda"
+    root.mkdir(parents=True, exist_ok=True)
+    save_group, stager, times, on_disk = dist.new_group(backend="gloo"), make_stager(device), {}, 0
+
+    sync = torch.cuda.synchronize if gpu else (lambda: None)  # a GPU's queued work counts where it is done
+
+    def clock(op, fn, before=0.0):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        times.setdefault(op, []).append(before + time.perf_counter() - start)
+        return out
+
+    for i in range(repeats):
+        sync_dir = root / f"sync{i}"
+        clock("disk write + fsync", lambda: write_and_fsync(root / f"disk{rank}_{i}", held_bytes(state)))
+        clock("dcp.save", lambda: dcp.save(state, checkpoint_id=sync_dir))
+        clock(f"dcp.save, {threads} writer threads",
+              lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(root / f"threads{i}", thread_count=threads)))
+        for name, options in (("default stager", {}), ("pinned reused stager", {"async_stager": stager})):
+            if name != "default stager" and stager is None:  # CPUs: no pinned memory, the default staging only
+                continue
+            blocking = f"async_save, {name} (blocking)"
+            future = clock(blocking, lambda: dcp.async_save(
+                state, checkpoint_id=root / f"{name.split()[0]}{i}", process_group=save_group, **options))
+            clock(f"async_save, {name} (until written)", future.result, before=times[blocking][-1])
+        clock("dcp.load", lambda: dcp.load(state, checkpoint_id=sync_dir))
+        dist.barrier()
+        if rank == 0:
+            on_disk = on_disk or sum(p.stat().st_size for p in sync_dir.iterdir())
+            for folder in root.glob(f"*{i}"):
+                shutil.rmtree(folder)
+    return {"times": times, "held_bytes": held_bytes(state), "on_disk": on_disk, "device": str(device)}
 
 if __name__ == "__main__":
     main()

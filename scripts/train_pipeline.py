@@ -91,7 +91,7 @@ def text_batch(tokens, batch, seq_len, generator):
     return x, torch.stack([tokens[s + 1:s + seq_len + 1] for s in starts])
 
 
-def setup():
+def init_distributed():
     """init_process_group from torchrun's environment: NCCL with this rank's own GPU (device_id) when every local
     rank can have one, else gloo on the CPU. Returns the device."""
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -103,6 +103,17 @@ def setup():
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return device
+
+
+def run_distributed(body, *args, **kwargs):
+    """The worker: process group, `body(device, *args, **kwargs)`, clean exit. `body` returns plain values only, so
+    what it made (stages, schedules, their pending work) is freed before the group goes."""
+    device = init_distributed()
+    try:
+        return body(device, *args, **kwargs)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def build_pipeline(cfg, schedule, microbatches, device, seed=0):
@@ -153,7 +164,7 @@ def train(device, steps, schedule_name, microbatches, mb_size, lr, d_model, laye
         losses.append(loss.item())
         if rank == 0 and (step % max(1, steps // 10) == 0 or step == steps - 1):
             print(f"step {step:>5}  loss {losses[-1]:.4f}", flush=True)
-    return {"rank": rank, "stages": world * (2 if schedule_name == "interleaved" else 1),
+    return {"rank": rank, "stages": world * (2 if schedule_name == "interleaved" else 1), "device": device.type,
             "first": losses[0], "last": losses[-1]}
 
 
@@ -167,16 +178,11 @@ def main():
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4, help="divisible by the number of stages")
     args = parser.parse_args()
-    device = setup()
-    try:
-        result = train(device, args.steps, args.schedule, args.microbatches, args.mb_size, args.lr, args.d_model,
-                       args.layers)
-        gc.collect()
-        if result["rank"] == 0:
-            print(f"summary: {args.schedule} over {result['stages']} stages on {device.type}, loss "
-                  f"{result['first']:.3f} -> {result['last']:.3f} in {args.steps} steps", flush=True)
-    finally:
-        dist.destroy_process_group()
+    result = run_distributed(train, args.steps, args.schedule, args.microbatches, args.mb_size, args.lr, args.d_model,
+                             args.layers)
+    if result["rank"] == 0:
+        print(f"summary: {args.schedule} over {result['stages']} stages on {result['device']}, loss "
+              f"{result['first']:.3f} -> {result['last']:.3f} in {args.steps} steps", flush=True)
 
 if __name__ == "__main__":
     main()

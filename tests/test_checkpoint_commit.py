@@ -1,5 +1,7 @@
-"""The commit protocol of the checkpoint recipe (scripts/dcp_resume.py, made of notebook 06's cells), with real DCP
-checkpoints in one process: a save becomes visible only once complete, and only the newest `keep` stay."""
+"""The commit protocol of the checkpoint recipe (scripts/dcp_resume.py, made of notebook 06's cells, and imported by
+notebook 09's scripts/cluster_ddp.py), with real DCP checkpoints in one process: a save becomes visible only once
+complete, a crash during a save leaves the previous checkpoint the one that loads, and only the newest `keep`
+stay."""
 from __future__ import annotations
 
 import sys
@@ -64,3 +66,33 @@ def test_a_step_commits_once(tmp_path):
 def test_a_folder_without_metadata_is_not_latest(tmp_path):
     (tmp_path / "step_00000009").mkdir()  # looks committed, is not a checkpoint
     assert recipe.latest(tmp_path) is None
+
+
+class _DyingWriter(dcp.FileSystemWriter):
+    """DCP's writer, except that the process "dies" (raises) half-way through writing its data."""
+
+    def write_data(self, plan, planner):
+        (self.path / "__0_0.distcp").write_bytes(b"half a shard")  # some bytes reached the disk
+        raise RuntimeError("killed while writing")
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_the_one_that_loads(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    save_step(tmp_path, 10, 10.0)
+    recipe.commit(tmp_path, 10)
+    with pytest.raises(CheckpointException, match="killed while writing"):
+        dcp.save({"w": torch.full((4,), 20.0)}, storage_writer=_DyingWriter(recipe.staging_dir(tmp_path, 20)),
+                 no_dist=True)
+    assert (recipe.staging_dir(tmp_path, 20) / "__0_0.distcp").exists(), "the torn save is on disk"
+    assert recipe.latest(tmp_path) == tmp_path / "step_00000010"
+    assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 10.0))
+    recipe.clear_staging(tmp_path)  # what the next run does before it saves
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010"]
+
+
+def test_the_cluster_script_commits_with_the_same_protocol():
+    import cluster_ddp
+
+    for name in ("staging_dir", "commit", "latest", "clear_staging"):
+        assert getattr(cluster_ddp, name) is getattr(recipe, name), f"cluster_ddp.py has its own {name}"

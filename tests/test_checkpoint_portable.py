@@ -97,3 +97,26 @@ def test_the_old_failure_a_requested_key_the_checkpoint_lacks(tmp_path):
     with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: app.rank0.cuda_rng"):
         dcp.load({"app": {"w": torch.zeros(3), "rank0": {"cuda_rng": torch.zeros(16, dtype=torch.uint8)}}},
                  checkpoint_id=tmp_path, no_dist=True)
+
+
+@pytest.mark.timeout(300)
+def test_resumed_at_another_world_size_the_state_is_exact_and_the_trajectory_is_another(tmp_path):
+    """What the recipe promises at another world size: the saved model, optimizer, schedule and step load exactly,
+    so the evaluation loss on a fixed batch is the saved model's; the training that follows is another one (other
+    data shards, another global batch, other dropout masks), so its losses differ from the uninterrupted run's."""
+    import shutil
+
+    uninterrupted = launch(recipe.train, str(tmp_path / "two"), total_steps=4, save_every=2, **SIZE, **_ranks(2))
+    (tmp_path / "one").mkdir()
+    shutil.copytree(tmp_path / "two" / "step_00000002", tmp_path / "one" / "step_00000002")
+    saved = launch(_load_and_predict, str(tmp_path / "one" / "step_00000002"), **_ranks(2))[0]
+    resumed = launch(_load_and_predict, str(tmp_path / "one" / "step_00000002"), **_ranks(1))[0]
+    assert resumed["step"] == saved["step"] == 2 and _equal(resumed["params"], saved["params"])
+    targets = recipe.byte_windows()[1][0][None]
+    losses = [torch.nn.functional.cross_entropy(r["logits"].flatten(0, 1), targets.flatten()).item()
+              for r in (saved, resumed)]
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0]), f"the same evaluation loss at 1 and 2 ranks: {losses}"
+    trained = launch(recipe.train, str(tmp_path / "one"), total_steps=4, save_every=2, **SIZE, **_ranks(1))[0]
+    assert trained["resumed_from"] == 2 and sorted(trained["losses"]) == [3, 4]
+    assert all(trained["losses"][s] != uninterrupted[0]["losses"][s] for s in (3, 4)), \
+        "at another world size the steps after the resume train on other batches: other losses"

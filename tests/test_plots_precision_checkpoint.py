@@ -29,12 +29,14 @@ def test_precision_figures():
 
 
 def test_checkpoint_figures():
-    from helpers.measure.disk import OPS, summarize_costs
+    from helpers.measure.disk import summarize_costs
 
-    times = dict(zip(OPS, ([0.1, 0.12], [0.2, 0.25], [0.02, 0.03], [0.22, 0.3], [0.05, 0.06])))
+    ops = ("disk write + fsync", "dcp.save", "async_save, default stager (blocking)",
+           "async_save, default stager (until written)", "dcp.load")
+    times = dict(zip(ops, ([0.1, 0.12], [0.2, 0.25], [0.02, 0.03], [0.22, 0.3], [0.05, 0.06])))
     summary = summarize_costs([{"times": times, "held_bytes": 2 ** 24, "on_disk": 2 ** 24 + 4096, "device": "cpu"}])
     fig = checkpoint.save_costs(summary)
-    assert len(fig.axes) == 2 and len(fig.axes[1].patches) == 3
+    assert len(fig.axes) == 2 and len(fig.axes[0].patches) == 3 and len(fig.axes[1].patches) == 3
     assert fig.axes[0].patches[0].get_width() == 2 ** 24 / 0.11 / 2 ** 20  # the disk's median rate, in MiB/s
     ref = {s: 4.0 - s / 10 for s in range(1, 21)}
     fig = checkpoint.resumed_trajectory(ref, [{s: ref[s] for s in range(1, 16)}, {s: ref[s] for s in range(11, 21)}],

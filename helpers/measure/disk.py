@@ -7,65 +7,20 @@ spends its time elsewhere (planning, pickling, collectives); one far above it wa
 off, or a cache answering). Fixed costs (planning, metadata, the collectives) dominate a small state, so the state
 measured must be large (hundreds of MB on a GPU) for the ratio to say anything about the writing.
 
-`checkpoint_costs` is the harness a notebook launches on every rank: it owns the process group and the timing
-loop, and takes the plain recipe (`make_state(device)`, which builds the model, optimizer and the Stateful app
-state on this rank's device) from outside, so the recipe stays free of measuring code. Byte counting of local shards is `helpers.measure.memory`'s.
+The worker that times the saves is notebook 06's (`save_costs` in scripts/dcp_resume.py, plain PyTorch); this
+module only summarises what its ranks return, lays out a checkpoint folder, and runs the crash demos' launches.
 """
 from __future__ import annotations
 
-import gc
 import os
-import shutil
-import time
 from pathlib import Path
 
 import torch
-
-from helpers.measure.claims import median_interval
-from helpers.measure.memory import tensor_bytes
-
-CHUNK = 8 << 20
-
-
-def disk_write_rate(directory: str | os.PathLike, nbytes: int, repeats: int = 3) -> list[float]:
-    """Bytes per second of writing `nbytes` to a new file in `directory` and fsyncing it, once per repeat."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    block = os.urandom(min(CHUNK, max(1, nbytes)))
-    rates = []
-    for i in range(repeats):
-        path = directory / f".disk_probe_{os.getpid()}_{i}"
-        start = time.perf_counter()
-        with open(path, "wb") as f:
-            left = nbytes
-            while left > 0:
-                n = min(left, len(block))
-                f.write(block[:n])
-                left -= n
-            f.flush()
-            os.fsync(f.fileno())
-        rates.append(nbytes / (time.perf_counter() - start))
-        path.unlink()
-    return rates
 
 
 def directory_bytes(path: str | os.PathLike) -> int:
     """Total size of the files under `path` (a checkpoint folder)."""
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-
-
-def state_bytes(state) -> int:
-    """Bytes of the tensors this rank holds in a (nested) state dict; a Stateful counts its `state_dict()`, and a
-    DTensor its local shard only (`memory.tensor_bytes`)."""
-    if isinstance(state, torch.Tensor):
-        return tensor_bytes(state)
-    if isinstance(state, dict):
-        return sum(state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(v) for v in state)
-    if callable(getattr(state, "state_dict", None)):
-        return state_bytes(state.state_dict())
-    return 0
 
 
 def bench_ranks(world_size: int, gpus: int) -> int:
@@ -79,90 +34,49 @@ def bench_ranks(world_size: int, gpus: int) -> int:
     return min(world_size, gpus) or world_size
 
 
-OPS = ("disk write + fsync", "dcp.save", "async_save (blocking)", "async_save (until written)", "dcp.load")
-
-
-def checkpoint_costs(make_state, root: str, repeats: int = 3) -> dict:
-    """Launch on every rank: seconds of each of `OPS` per repeat for the state `make_state(device)` builds.
-
-    The process group is "cpu:gloo,cuda:nccl" on GPUs (DCP's collectives on the CPU side, training's on NCCL)
-    with `device_id`, else gloo. async_save gets its own gloo group: its collectives run in a background thread and
-    must never interleave with the training loop's on the default group. Repeats interleave the operations, so a
-    busy neighbour slows them alike; each rank writes as many disk bytes as it holds tensor bytes, at the same
-    time as the others. Returns plain values.
-    """
-    import torch.distributed as dist
-
-    from helpers.devices import default_backend, rank_device
-
-    device = rank_device()
-    if default_backend() == "nccl":
-        torch.cuda.set_device(device)  # DCP plans with object collectives, which use the current device
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
-    try:
-        return _costs(make_state, device, Path(root), repeats)
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def _costs(make_state, device, root: Path, repeats: int) -> dict:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from helpers.measure.timing import timed
-
-    rank = dist.get_rank()
-    state = make_state(device)
-    async_group = dist.new_group(backend="gloo")
-    nbytes = state_bytes(state)
-    times = {op: [] for op in OPS}
-    on_disk = None
-    for i in range(repeats):
-        sync_dir, async_dir = str(root / f"sync{i}"), str(root / f"async{i}")
-        _, t = timed(lambda: disk_write_rate(root / f"disk{rank}", nbytes, repeats=1), device)
-        times["disk write + fsync"].append(t)
-        _, t = timed(lambda: dcp.save(state, checkpoint_id=sync_dir), device)
-        times["dcp.save"].append(t)
-        future, t = timed(lambda: dcp.async_save(state, checkpoint_id=async_dir, process_group=async_group), device)
-        times["async_save (blocking)"].append(t)
-        start = time.perf_counter()
-        future.result()  # at most one save in flight
-        times["async_save (until written)"].append(t + time.perf_counter() - start)
-        _, t = timed(lambda: dcp.load(state, checkpoint_id=sync_dir), device)
-        times["dcp.load"].append(t)
-        dist.barrier()
-        if rank == 0:
-            on_disk = on_disk or directory_bytes(sync_dir)
-            shutil.rmtree(sync_dir)
-            shutil.rmtree(async_dir)
-    return {"times": times, "held_bytes": nbytes, "on_disk": on_disk, "device": str(device)}
+DISK = "disk write + fsync"
 
 
 def summarize_costs(results: list[dict]) -> dict:
-    """Per operation the slowest rank's seconds per repeat (training waits for it) and their median; the two ratios
-    taken side by side in each repeat, with the median and a bootstrap interval of it:
+    """Per operation the slowest rank's seconds per repeat (training waits for it) and their median; ratios taken
+    side by side in each repeat, with their median and spread (min, max):
 
-    - `save_vs_disk`: dcp.save's rate over the disk's fsync'd write rate (1 = the save runs at the disk's speed),
-    - `blocking_share`: how long async_save blocked the caller, over a synchronous save's time.
+    - `save_vs_disk[op]` for each synchronous save `op` ("dcp.save..."): the disk's fsync'd write time over the
+      save's (1 = the save runs at the disk's speed),
+    - `blocking_share[op]` for each async save's blocking part `op` ("... (blocking)"): how long it blocked the
+      caller, over the default synchronous save's time.
 
-    It keeps where the state lived (`device`, rank 0's) and how many ranks held it (`world_size`) beside the figures.
+    `results` are the ranks' returns of notebook 06's `save_costs` worker: {"times": {op: [seconds per repeat]},
+    "held_bytes", "on_disk", "device"}. Where the state lived (`device`, rank 0's) and how many ranks held it
+    (`world_size`) stay beside the figures.
     """
     import statistics
 
+    ops = list(results[0]["times"])
     slowest = {op: [max(r["times"][op][i] for r in results) for i in range(len(results[0]["times"][op]))]
-               for op in OPS}
-    ratios = {"save_vs_disk": [d / s for d, s in zip(slowest["disk write + fsync"], slowest["dcp.save"])],
-              "blocking_share": [b / s for b, s in zip(slowest["async_save (blocking)"], slowest["dcp.save"])]}
+               for op in ops}
+
+    def spread(values):
+        return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
     total = sum(r["held_bytes"] for r in results)
     return {"state_bytes": total, "on_disk": results[0]["on_disk"], "seconds": slowest,
             "device": results[0]["device"], "world_size": len(results),
             "median_s": {op: statistics.median(v) for op, v in slowest.items()},
             "rate": {op: total / statistics.median(v) for op, v in slowest.items()},
-            "ratios": {k: {"median": statistics.median(v), "interval": median_interval(v), "values": v}
-                       for k, v in ratios.items()}}
+            "save_vs_disk": {op: spread([d / s for d, s in zip(slowest[DISK], slowest[op])])
+                             for op in ops if op.startswith("dcp.save")},
+            "blocking_share": {op: spread([b / s for b, s in zip(slowest[op], slowest["dcp.save"])])
+                               for op in ops if op.endswith("(blocking)")}}
+
+
+def ratios_text(summary: dict) -> str:
+    """The ratios of `summarize_costs` as lines: median and (min-max) over the repeats."""
+    lines = [f"  {op + ': rate / disk rate':<58} {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+             for op, r in summary["save_vs_disk"].items()]
+    lines += [f"  {op + ' / dcp.save time':<58} {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+              for op, r in summary["blocking_share"].items()]
+    return "median (min-max) over the repeats, slowest rank:\n" + "\n".join(lines)
 
 
 def checkpoint_layout(folder: str | os.PathLike, metadata, name: str) -> dict:
@@ -202,8 +116,8 @@ def costs_table(summary: dict, repeats: int, cores: int) -> str:
     device, world_size = summary["device"], summary["world_size"]
     lines = [f"{summary['state_bytes'] / 2 ** 20:.0f} MiB of tensors over {world_size} rank(s) on {device}, "
              f"{summary['on_disk'] / 2 ** 20:.0f} MiB on disk; {repeats} repeats, slowest rank"]
-    lines.append(f"  {'':<28} median (min-max of the repeats), rate at the median")
-    lines += [f"  {op:<28} {t * 1e3:9.1f} ms ({min(summary['seconds'][op]) * 1e3:.1f}-"
+    lines.append(f"  {'':<44} median (min-max of the repeats), rate at the median")
+    lines += [f"  {op:<44} {t * 1e3:9.1f} ms ({min(summary['seconds'][op]) * 1e3:.1f}-"
               f"{max(summary['seconds'][op]) * 1e3:.1f})  {summary['rate'][op] / 2 ** 20:7.0f} MiB/s"
               for op, t in summary["median_s"].items()]
     if world_size > cores:
@@ -212,12 +126,18 @@ def costs_table(summary: dict, repeats: int, cores: int) -> str:
 
 
 def record_headlines(summary: dict) -> None:
-    """`summarize_costs`' two ratios as headline figures (`helpers.headline`), which the run summary table collects
+    """`summarize_costs`' ratios as headline figures (`helpers.headline`), which the run summary table collects
     across notebooks and machines. Why here: the names and units must stay the same from run to run, so they are
-    written once, beside the summary that computes them."""
+    written once, beside the summary that computes them. The default save and async save keep their names; each
+    tuned variant adds its own."""
     from helpers.measure.headline import headline
-    headline("dcp.save throughput / disk write+fsync rate", summary["ratios"]["save_vs_disk"]["median"], "x")
-    headline("async_save blocking / sync save time", summary["ratios"]["blocking_share"]["median"], "x")
+    for op, r in summary["save_vs_disk"].items():
+        name = "" if op == "dcp.save" else op.removeprefix("dcp.save")
+        headline(f"dcp.save{name} throughput / disk write+fsync rate", r["median"], "x")
+    for op, r in summary["blocking_share"].items():
+        name = op.removeprefix("async_save").removesuffix(" (blocking)")
+        name = "" if name == ", default stager" else name
+        headline(f"async_save{name} blocking / sync save time", r["median"], "x")
 
 
 def whole_checkpoint(folder: str | os.PathLike, file: str | os.PathLike) -> dict:

@@ -207,6 +207,12 @@ class LiveSavedBytes:
     counts twice: the measure is what each op keeps, identical for every micro-batch of one stage, so that a
     schedule's peak is an exact multiple of one micro-batch's. Works on CPU and counts activations only.
 
+    Why not `helpers.measure.activations`' meters: `SavedActivations` adds up what a forward saves (each storage
+    once, by its whole storage's bytes, never released), so GPipe and 1F1B, which save the same tensors in another
+    order, read the same; `LiveTensorBytes` also counts gradients and temporaries, so a peak is no multiple of a
+    micro-batch's saved bytes. A schedule's activation peak needs what is held at each moment, released when
+    autograd drops it, counted by the saved tensor's own elements (a micro-batch is a view of the batch's storage).
+
         meter = LiveSavedBytes()
         with meter:
             schedule.step(...)

@@ -6,22 +6,26 @@ from helpers.plots import new_figure
 
 
 def save_costs(summary: dict):
-    """Left: bytes per second of the disk (write + fsync), a DCP save and a DCP load, all ranks together. Right:
-    how long a synchronous save, and an async save, block the training loop, and how long the async save takes
-    until written. `summary` is `helpers.measure.disk.summarize_costs`'s."""
+    """Left: bytes per second of the disk (write + fsync), each synchronous DCP save and a DCP load, all ranks
+    together. Right: how long each save blocks the training loop (a synchronous save all of it; an async save its
+    staging), and how long each async save takes until written. `summary` is
+    `helpers.measure.disk.summarize_costs`'s."""
     fig, (ax_rate, ax_block) = new_figure(2, width=5.4)
-    labels = ["disk write + fsync", "dcp.save", "dcp.load"]
+    ops = list(summary["median_s"])
+    labels = [op for op in ops if op == "disk write + fsync" or op.startswith("dcp.")]
     ax_rate.barh(range(len(labels)), [summary["rate"][k] / 2.0 ** 20 for k in labels],
-                 color=["tab:gray", "tab:blue", "tab:blue"])
-    ax_rate.set_yticks(range(len(labels)), labels)
+                 color=["tab:gray" if k.startswith("disk") else "tab:blue" for k in labels])
+    ax_rate.set_yticks(range(len(labels)), labels, fontsize=8)
     ax_rate.invert_yaxis()
     ax_rate.set_xlabel("MiB/s, all ranks together (median)")
     ax_rate.set_title(f"checkpoint of {summary['state_bytes'] / 2 ** 20:.0f} MiB against the disk")
-    labels = ["dcp.save", "async_save (blocking)", "async_save (until written)"]
-    ax_block.bar(range(len(labels)), [summary["median_s"][k] * 1e3 for k in labels],
-                 color=["tab:red", "tab:green", "tab:olive"])
-    ax_block.set_xticks(range(len(labels)), [k.replace(" (", "\n(") for k in labels], fontsize=8)
-    ax_block.set_ylabel("ms (median, slowest rank)")
+    labels = ["dcp.save"] + [op for op in ops if op.startswith("async_save")]
+    ax_block.barh(range(len(labels)), [summary["median_s"][k] * 1e3 for k in labels],
+                  color=["tab:red" if k == "dcp.save" else "tab:green" if k.endswith("(blocking)") else "tab:olive"
+                         for k in labels])
+    ax_block.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax_block.invert_yaxis()
+    ax_block.set_xlabel("ms (median, slowest rank)")
     ax_block.set_title("a save: what blocks training, and in all")
     return fig
 
