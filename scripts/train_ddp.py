@@ -9,7 +9,7 @@ rank starts from the same weights; DistributedSampler gives each rank its own sh
 set_epoch; gradients of --accum micro-batches add up under no_sync and are all-reduced once per optimizer step;
 rank 0 writes the checkpoint (model.module.state_dict(): no 'module.' prefix, loads without DDP). The digits are
 the cookbook's data/digits.npz (--data names another copy). The end of the file holds the measuring workers of
-notebooks 02 and 02b (step_times, traced_step).
+notebooks 02 and 02b (step_times, traced_step, loader_throughput).
 """
 import argparse
 import contextlib

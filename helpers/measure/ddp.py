@@ -258,7 +258,7 @@ def ratio_interval(numerator: list[float], denominator: list[float], **bootstrap
 
 
 def payload_counted(body, device, *args, **kwargs) -> dict:
-    """Run a worker body (`body(device, ...)`, as the script's `in_process_group` calls it) with a
+    """Run a worker body (`body(device, ...)`, as the script's `run_distributed` calls it) with a
     `PayloadCounter` on: {"result": what it returned, "bytes": every byte it handed to dist.all_reduce}.
 
     Why a wrapper: the body stays plain PyTorch; the counting wraps it from outside, in the worker's process.
