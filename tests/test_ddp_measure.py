@@ -14,8 +14,8 @@ import torch.distributed as dist
 import helpers
 from helpers import devices
 from helpers.measure import ddp as measure_ddp
-from helpers.measure.ddp import (CommCounter, PayloadCounter, bucket_limits, bucket_plan, greedy_buckets,
-                                 hook_payload_bytes, powersgd_values)
+from helpers.measure.ddp import (PayloadCounter, bucket_limits, bucket_plan, greedy_buckets, hook_payload_bytes,
+                                 powersgd_values)
 from helpers.measure.trace_overlap import is_gpu_comm, is_gpu_compute, overlap_of_trace
 from helpers.models import DigitsMLP
 from helpers.paths import SCRIPTS
@@ -85,8 +85,9 @@ def test_hook_payload_bytes_closed_forms():
         hook_payload_bytes(shapes, "int8")
 
 
-def _count_in_ddp(caps, start_iter):
-    """Worker: buckets counted per cap, and bytes sent per step by fp16 and PowerSGD hooks."""
+def _count_in_ddp(caps, start_iter, bucket_bytes):
+    """Worker: buckets counted per cap (by train_ddp.py's `bucket_bytes`, the comm hook notebook 02 counts with),
+    and bytes sent per step by fp16 and PowerSGD hooks."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -95,12 +96,7 @@ def _count_in_ddp(caps, start_iter):
     x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
     buckets = {}
     for cap in caps:
-        model = DDP(DigitsMLP(hidden=128, depth=3), bucket_cap_mb=cap)
-        counter = CommCounter().register(model)
-        for _ in range(2):
-            counter.reset()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-        buckets[cap] = counter.bucket_bytes
+        buckets[cap] = bucket_bytes(DDP(DigitsMLP(hidden=128, depth=3), bucket_cap_mb=cap), x, y)
     sent = {}
     for name in ("fp16", "powersgd"):
         model = DDP(DigitsMLP(hidden=128, depth=3))
@@ -126,8 +122,8 @@ def test_counters_against_real_ddp():
     caps = [0.001, 0.05, 25]
     start_iter = 2
     # CPU ranks on any machine: a visible GPU would make torch's PowerSGD hook synchronize CUDA for a CPU bucket
-    results = helpers.launch(_count_in_ddp, caps, start_iter, world_size=2, timeout=120, quiet=True,
-                             env=devices.CPU_ONLY_ENV)
+    results = helpers.launch(_count_in_ddp, caps, start_iter, _train_ddp().bucket_bytes, world_size=2, timeout=120,
+                             quiet=True, env=devices.CPU_ONLY_ENV)
     model = DigitsMLP(hidden=128, depth=3)
     shapes = [tuple(p.shape) for p in model.parameters()]
     for buckets, sent in results:

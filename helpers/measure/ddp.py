@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -70,49 +69,6 @@ def bucket_plan(model: torch.nn.Module, bucket_cap_mb: float | None = None) -> l
 
 
 # ----------------------------------------------------------------------------------------------- counting
-
-
-def _counted_hook(counter: "CommCounter", bucket):
-    buffer = bucket.buffer()
-    with counter.lock:
-        counter.calls.append((bucket.index(), buffer.numel(), buffer.numel() * buffer.element_size()))
-    return counter.hook(counter.state, bucket)
-
-
-@dataclass
-class CommCounter:
-    """A comm-hook state that records every bucket DDP hands over, then lets `hook` (plain all-reduce by default,
-    which is what DDP does without a hook) do the communication.
-
-    Register with `counter.register(ddp_model)`. `calls` holds one (bucket index, elements, bytes) per bucket.
-    """
-
-    hook: object = None
-    state: object = None
-    calls: list = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self):
-        if self.hook is None:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            self.hook = allreduce_hook
-
-    def register(self, ddp_model) -> "CommCounter":
-        ddp_model.register_comm_hook(self, _counted_hook)
-        return self
-
-    def reset(self) -> None:
-        with self.lock:
-            self.calls.clear()
-
-    @property
-    def count(self) -> int:
-        return len(self.calls)
-
-    @property
-    def bucket_bytes(self) -> list[int]:
-        return [b for _, _, b in self.calls]
 
 
 class PayloadCounter:
