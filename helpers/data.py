@@ -1,6 +1,7 @@
 """The real data sets the notebooks train on, all on disk already: nothing is downloaded at run time.
 
-- Digits: the 1,797 8x8 handwritten digits (UCI ML hand-written digits, test set) that scikit-learn ships.
+- Digits: the 1,797 8x8 handwritten digits (the test set of UCI's "Optical Recognition of Handwritten Digits"), in
+  data/digits.npz; scripts/train_ddp.py reads the same file the same way, with numpy.
 - Text: the Python Language Reference topics that ship with CPython itself (`pydoc_data.topics`), about 0.8 MB
   of English technical prose; read character by character, it is enough for a small GPT to learn spelling.
 See data/README.md for origin and licence.
@@ -10,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from helpers.paths import REPO_ROOT
+
+DIGITS = REPO_ROOT / "data" / "digits.npz"  # images (1797, 8, 8) and labels (1797,), uint8
 
 
 @dataclass
@@ -23,11 +28,12 @@ class Split:
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
     """Digits as float32 features in [0, 1] (N x 64) and int64 labels, split into train and test."""
-    from sklearn.datasets import load_digits as sk_load_digits
+    import numpy as np
 
-    bunch = sk_load_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    with np.load(DIGITS) as saved:
+        images, labels = saved["images"], saved["labels"]
+    x = torch.tensor(images.reshape(len(images), -1), dtype=torch.float32) / 16.0  # pixels 0..16
+    y = torch.tensor(labels, dtype=torch.int64)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     n_test = int(len(y) * test_fraction)
     test, train = order[:n_test], order[n_test:]

@@ -8,6 +8,7 @@ against dist.all_reduce, and a tour of every collective, checked against its clo
 import argparse
 import gc
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,16 @@ def root_all_reduce(tensor):
     return traffic
 
 
+def bytes_written():
+    """Bytes this process has handed to write()/writev() so far, as Linux counts them (/proc/self/io): that is how
+    gloo's TCP transport sends, so around a gloo exchange it is the bytes put on the wire. None elsewhere."""
+    try:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("wchar:")).split()[1])
+    except (OSError, StopIteration):
+        return None
+
+
 def ring_check(elements_per_rank, device):
     """One all-reduce three ways (the ring, through rank 0, dist.all_reduce), for a length divisible by n and one
     that is not. Integers: every summation order gives the same answer, so "equal" can mean torch.equal."""
@@ -83,7 +94,14 @@ def ring_check(elements_per_rank, device):
     for label, numel in (("divisible", n * elements_per_rank), ("uneven", n * elements_per_rank + 1)):
         x = torch.randint(-1000, 1000, (numel,), generator=generator, dtype=torch.int64).to(device)
         by_ring, by_root, by_torch = x.clone(), x.clone(), x.clone()
-        traffic = {"ring": ring_all_reduce(by_ring), "root": root_all_reduce(by_root)}
+        traffic = {}
+        for way, all_reduce_by, tensor in (("ring", ring_all_reduce, by_ring), ("root", root_all_reduce, by_root)):
+            dist.barrier()
+            before = bytes_written()
+            traffic[way] = all_reduce_by(tensor)
+            after = bytes_written()  # the kernel's count, beside the code's own: None unless gloo on Linux
+            on_tcp = before is not None and dist.get_backend() == "gloo"
+            traffic[way]["on_the_wire"] = after - before if on_tcp else None
         dist.all_reduce(by_torch)
         out[label] = {"input": x.cpu(), "ring": by_ring.cpu(), "root": by_root.cpu(), "torch": by_torch.cpu(),
                       "traffic": traffic, "size_bytes": x.numel() * x.element_size()}
@@ -179,6 +197,31 @@ def tour_mismatches(seen, rank, n):
         if (want is None) != (got is None) or (want is not None and not torch.allclose(got, want, rtol=1e-6, atol=0)):
             wrong.append(op)
     return wrong
+
+
+def detail_cost(rounds=15, calls=20):
+    """Seconds per call of a one-number all-reduce (gloo) on the default group, checked when the process started
+    with TORCH_DISTRIBUTED_DEBUG=DETAIL, and on a group created with the check off: per round, side by side."""
+    dist.init_process_group(backend="gloo")
+    try:
+        dist.set_debug_level(dist.DebugLevel.OFF)
+        unchecked = dist.new_group()  # created while the check is off: not wrapped
+        dist.set_debug_level_from_env()
+        tensor = torch.ones(1)
+
+        def per_call_s(group):
+            start = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(tensor, group=group)
+            return (time.perf_counter() - start) / calls
+
+        per_call_s(None), per_call_s(unchecked)  # warm-up
+        rounds_s = [(per_call_s(None), per_call_s(unchecked)) for _ in range(rounds)]
+        return {"debug_level": str(dist.get_debug_level()), "detail_s": [d for d, _ in rounds_s],
+                "off_s": [o for _, o in rounds_s]}
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def main():

@@ -13,6 +13,8 @@ def first_all_reduce():
     local_rank = int(os.environ["LOCAL_RANK"])
     on_gpu = torch.cuda.is_available() and int(os.environ["LOCAL_WORLD_SIZE"]) <= torch.cuda.device_count()
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)  # the current device: object collectives and DCP put their tensors there
     dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
     try:
         rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()

@@ -8,6 +8,18 @@ import torch.distributed as dist
 
 import helpers
 from helpers.measure import collectives as bench
+from helpers.paths import NOTEBOOKS, SCRIPTS
+
+
+def _sweep():
+    """Notebook 01b's worker `sweep`, read from its cell: the worker these helpers time with and launch."""
+    import json
+
+    cells = json.loads((NOTEBOOKS / "01b_backends_and_bandwidth.ipynb").read_text())["cells"]
+    source = "".join(next(c for c in cells if c.get("id") == "sweep-worker")["source"])
+    namespace = {"bench": bench}
+    exec(compile(source, "01b_backends_and_bandwidth.ipynb:sweep-worker", "exec"), namespace)
+    return namespace["sweep"]
 
 
 @pytest.mark.parametrize("name, n, factor", [
@@ -123,20 +135,13 @@ def test_time_collective_works_without_all_gather_single():
     assert [r["collective"] for r in records] == ["all_gather", "reduce_scatter"] and all(r["checked"] for r in records)
 
 
-def test_sweep_worker_measures_every_collective_and_the_ceilings():
-    results = helpers.launch(bench.sweep_worker, [1 << 10, 1 << 14], 1, 2, world_size=2, timeout=180, quiet=True)
-    assert results[0]["records"] == results[1]["records"] and results[1]["ceilings"] is None
+def test_the_sweep_measures_every_collective_and_the_ceilings():
+    results = helpers.launch(_sweep(), [1 << 10, 1 << 14], 1, 2, bench.time_collective, bench.measure_ceilings,
+                             world_size=2, timeout=180, quiet=True)
+    assert results[0]["records"] == results[1]["records"] and results[1]["ceilings"] == []
     assert [r["collective"] for r in results[0]["records"]] == [c for c in bench.COLLECTIVES for _ in range(2)]
-    assert set(results[0]["ceilings"]) == {"tcp", "memcpy", "tcp_latency"}
-    assert all(c["of_runs"] == 2 for c in results[0]["ceilings"].values())
-
-
-def test_intra_op_threads_worker_times_every_count_every_round():
-    results = helpers.launch(bench.intra_op_threads_worker, (1, 2), 256, 3, 5, 2, world_size=2, timeout=180,
-                             quiet=True, start_method="spawn")
-    assert results[0] == results[1]
-    assert sorted(results[0]["times_s"]) == [1, 2] and all(len(t) == 3 and min(t) > 0
-                                                           for t in results[0]["times_s"].values())
+    ceilings = bench.best_ceilings(*results[0]["ceilings"])  # rank 0's, before and after the sweep
+    assert set(ceilings) == {"tcp", "memcpy", "tcp_latency"} and all(c["of_runs"] == 2 for c in ceilings.values())
 
 
 def test_transport_facts_reads_this_machine():
@@ -255,12 +260,15 @@ def test_one_gpu_report_says_what_one_gpu_can_and_cannot_show():
 
 
 def test_one_gpu_report_reads_real_sweep_records():
-    """The one-GPU cell's reading, fed with real `sweep_worker` results of the same shape (gloo on CPU here; on a
-    GPU machine `one_gpu_sweeps` runs NCCL at world size 1 on cuda:0, whose ceilings add the device copy)."""
+    """The one-GPU cell's reading, fed with real `sweep` results of the same shape (gloo on CPU here; on a GPU
+    machine `one_gpu_sweeps` runs NCCL at world size 1 on cuda:0, whose ceilings add the device copy)."""
     from helpers.plots import collectives as plots
 
-    alone = helpers.launch(bench.sweep_worker, [1 << 10, 1 << 16], 1, 3, world_size=1, timeout=180, quiet=True)[0]
-    shared = helpers.launch(bench.sweep_worker, [1 << 10], 1, 3, collectives=("all_reduce",), ceilings=False,
+    sweep = _sweep()
+    alone = helpers.launch(sweep, [1 << 10, 1 << 16], 1, 3, bench.time_collective, bench.measure_ceilings,
+                           world_size=1, timeout=180, quiet=True)[0]
+    alone["ceilings"] = bench.best_ceilings(*alone["ceilings"])
+    shared = helpers.launch(sweep, [1 << 10], 1, 3, bench.time_collective, collectives=("all_reduce",),
                             world_size=2, timeout=180, quiet=True)[0]
     alone["ceilings"]["device_copy"] = alone["ceilings"]["memcpy"]  # what a CPU has in place of HBM
     rows = bench.one_rank_rows(alone["records"], alone["ceilings"]["device_copy"])
@@ -273,31 +281,37 @@ def test_one_gpu_report_reads_real_sweep_records():
 
 
 def test_busbw_by_ranks_runs_the_sweep_at_each_world_size():
-    records = bench.busbw_by_ranks([1 << 12], (1, 2), collectives=("all_reduce", "all_gather"), warmup=1, repeats=2)
+    records = bench.busbw_by_ranks(_sweep(), [1 << 12], (1, 2), collectives=("all_reduce", "all_gather"), warmup=1,
+                                   repeats=2)
     assert [(r["world_size"], r["collective"]) for r in records] == [
         (1, "all_reduce"), (1, "all_gather"), (2, "all_reduce"), (2, "all_gather")]
     assert all(r["checked"] and r["factor"] == bench.busbw_factor(r["collective"], r["world_size"]) for r in records)
 
 
-def test_detail_cost_worker_compares_checked_and_unchecked_groups():
-    results = helpers.launch(bench.detail_cost_worker, 3, 5, world_size=2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+def test_the_scripts_detail_cost_compares_checked_and_unchecked_groups():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("collectives_script", SCRIPTS / "collectives.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    results = helpers.launch(script.detail_cost, 3, 5, world_size=2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
                              timeout=120, quiet=True)
-    assert all(r["debug_level"] == "DebugLevel.DETAIL" and len(r["ratios"]) == 3 and min(r["ratios"]) > 0
-               for r in results)
+    assert all(r["debug_level"] == "DebugLevel.DETAIL" and len(r["detail_s"]) == len(r["off_s"]) == 3
+               and min(r["detail_s"] + r["off_s"]) > 0 for r in results)
 
 
-def test_sweep_worker_can_skip_the_ceilings():
-    results = helpers.launch(bench.sweep_worker, [1 << 12], 1, 2, collectives=("reduce_scatter",), ceilings=False,
+def test_the_sweep_can_skip_the_ceilings():
+    results = helpers.launch(_sweep(), [1 << 12], 1, 2, bench.time_collective, collectives=("reduce_scatter",),
                              world_size=2, timeout=120, quiet=True)
-    assert [r["ceilings"] for r in results] == [None, None]
+    assert [r["ceilings"] for r in results] == [[], []]
     assert [(r["collective"], r["size_bytes"], r["checked"]) for r in results[0]["records"]] == \
         [("reduce_scatter", 1 << 12, True)]
 
 
 @pytest.mark.skipif(helpers.devices.gpu_count() != 1, reason="the one-GPU runs need exactly one GPU")
 def test_one_gpu_sweeps_time_nccl_alone_and_gloo_sharing_the_gpu():
-    alone, shared = bench.one_gpu_sweeps([1 << 10, 1 << 16], 1, 2, gloo_up_to=1 << 10)
+    alone, shared = bench.one_gpu_sweeps(_sweep(), [1 << 10, 1 << 16], 1, 2, gloo_up_to=1 << 10)
     assert {(r["backend"], r["device"], r["world_size"]) for r in alone["records"]} == {("nccl", "cuda", 1)}
     assert [(r["backend"], r["device"], r["size_bytes"]) for r in shared["records"]] == [("gloo", "cuda", 1 << 10)]
-    assert "device_copy" in alone["ceilings"] and shared["ceilings"] is None
+    assert "device_copy" in alone["ceilings"] and shared["ceilings"] == []
     assert "cannot show" in bench.one_gpu_report(alone, shared, 2)

@@ -1,4 +1,5 @@
-"""helpers.measure.ddp: its predictions against DDP itself, its counters against the closed forms."""
+"""helpers.measure.ddp: its predictions against DDP itself, its counters against the closed forms; and the measuring
+workers of scripts/train_ddp.py that notebooks 02 and 02b launch."""
 from __future__ import annotations
 
 import functools
@@ -12,11 +13,23 @@ import torch.distributed as dist
 
 import helpers
 from helpers import devices
-from helpers.data import Split
 from helpers.measure import ddp as measure_ddp
-from helpers.measure.ddp import (CommCounter, PayloadCounter, accuracy, bucket_limits, bucket_plan,
-                                 greedy_buckets, hook_payload_bytes, powersgd_values)
+from helpers.measure.ddp import (PayloadCounter, bucket_limits, bucket_plan, greedy_buckets, hook_payload_bytes,
+                                 powersgd_values)
+from helpers.measure.trace_overlap import is_gpu_comm, is_gpu_compute, overlap_of_trace
 from helpers.models import DigitsMLP
+from helpers.paths import SCRIPTS
+
+
+def _train_ddp():
+    """scripts/train_ddp.py as a module: the measuring workers (step_times, traced_step, loader_throughput) live
+    there, beside the recipe they time, so that a reader's project and the appendix can launch them too."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_ddp", SCRIPTS / "train_ddp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -72,8 +85,9 @@ def test_hook_payload_bytes_closed_forms():
         hook_payload_bytes(shapes, "int8")
 
 
-def _count_in_ddp(caps, start_iter):
-    """Worker: buckets counted per cap, and bytes sent per step by fp16 and PowerSGD hooks."""
+def _count_in_ddp(caps, start_iter, bucket_bytes):
+    """Worker: buckets counted per cap (by train_ddp.py's `bucket_bytes`, the comm hook notebook 02 counts with),
+    and bytes sent per step by fp16 and PowerSGD hooks."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -82,12 +96,7 @@ def _count_in_ddp(caps, start_iter):
     x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
     buckets = {}
     for cap in caps:
-        model = DDP(DigitsMLP(hidden=128, depth=3), bucket_cap_mb=cap)
-        counter = CommCounter().register(model)
-        for _ in range(2):
-            counter.reset()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-        buckets[cap] = counter.bucket_bytes
+        buckets[cap] = bucket_bytes(DDP(DigitsMLP(hidden=128, depth=3), bucket_cap_mb=cap), x, y)
     sent = {}
     for name in ("fp16", "powersgd"):
         model = DDP(DigitsMLP(hidden=128, depth=3))
@@ -113,8 +122,8 @@ def test_counters_against_real_ddp():
     caps = [0.001, 0.05, 25]
     start_iter = 2
     # CPU ranks on any machine: a visible GPU would make torch's PowerSGD hook synchronize CUDA for a CPU bucket
-    results = helpers.launch(_count_in_ddp, caps, start_iter, world_size=2, timeout=120, quiet=True,
-                             env=devices.CPU_ONLY_ENV)
+    results = helpers.launch(_count_in_ddp, caps, start_iter, _train_ddp().bucket_bytes, world_size=2, timeout=120,
+                             quiet=True, env=devices.CPU_ONLY_ENV)
     model = DigitsMLP(hidden=128, depth=3)
     shapes = [tuple(p.shape) for p in model.parameters()]
     for buckets, sent in results:
@@ -125,26 +134,6 @@ def test_counters_against_real_ddp():
         plain, compressed = sent["powersgd"][:start_iter], sent["powersgd"][start_iter:]
         assert set(plain) == {hook_payload_bytes(shapes, "allreduce")}
         assert set(compressed) == {hook_payload_bytes(shapes, "powersgd", rank=2)}
-
-
-def test_accuracy_counts_correct_predictions_and_restores_mode():
-    class Constant(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-
-        def forward(self, x):
-            out = torch.zeros(len(x), 10)
-            out[:, 3] = 1
-            return out
-
-    labels = torch.tensor([3, 3, 1, 3, 0, 3, 3, 9])
-    model = Constant().train()
-    assert accuracy(model, Split(torch.zeros(8, 64), labels), batch_size=3) == 5 / 8
-    assert model.training
-
-
-# ------------------------------------------------------------------------------------------ CPU ranks on a GPU machine
 
 
 def _powersgd_step_on_cpu(pretend_cuda: bool) -> tuple[list, str | None]:
@@ -255,7 +244,12 @@ def test_step_times_counts_buckets_and_keeps_variants_comparable(grouped):
     if grouped:  # each variant built, timed and freed on its own
         variants = {label: {**spec, "group": label} for label, spec in variants.items()}
     model_of = functools.partial(DigitsMLP, 64, 2)
-    ranks = helpers.launch(measure_ddp.step_times, model_of, 8, variants, 3, world_size=2, timeout=120)
+    variants["allreduce"]["bucket_bytes"] = bucket_plan(model_of())
+    script = _train_ddp()
+    from helpers.measure.activations import LiveTensorBytes
+
+    ranks = helpers.launch(script.run_distributed, script.step_times, model_of, 8, variants, 3,
+                           memory_probe=LiveTensorBytes, world_size=2, timeout=120)
     for r in ranks:
         assert all(len(v["times"]) == 3 and min(v["times"]) > 0 for v in r.values())
         assert r["step"]["buckets"] == bucket_plan(model_of(), 0.05)
@@ -289,13 +283,15 @@ def test_payload_counted_wraps_a_body_from_outside():
 
 def test_loader_throughput_reports_every_setting_and_repeat():
     settings = {"inline": {}, "one worker": {"num_workers": 1, "persistent_workers": True}}
-    rates = helpers.launch(measure_ddp.loader_throughput, settings, 32, 3, 2, world_size=1, timeout=120)[0]
+    rates = helpers.launch(_train_ddp().loader_throughput, settings, 32, 3, 2, world_size=1, timeout=120)[0]
     assert set(rates) == set(settings) and all(len(r) == 2 and min(r) > 0 for r in rates.values())
 
 
 def test_weak_scaling_rows_and_the_plain_step_at_world_size_one(capsys):
     # gpus=1: the one-GPU machine's path (every n on CPU ranks, the GPU hidden), which runs on any machine
-    rows = measure_ddp.weak_scaling(functools.partial(DigitsMLP, 32, 2), 8, [1, 2], 2, gpus=1, timeout=120)
+    script = _train_ddp()
+    rows = measure_ddp.weak_scaling(script.run_distributed, script.step_times, functools.partial(DigitsMLP, 32, 2), 8,
+                                    [1, 2], 2, gpus=1, timeout=120)
     assert "CPU ranks with gloo, one core each (this machine's 1 GPU(s)" in capsys.readouterr().out
     assert [r["world_size"] for r in rows] == [1, 2] and rows[0]["efficiency"] == 1.0
     assert set(rows[0]["times"]) == {"step", "no_sync", "allreduce", "plain"} and "plain" not in rows[1]["times"]
@@ -317,12 +313,13 @@ def test_expected_payload_counts_powersgd_warm_up_steps_as_plain_fp32():
 @pytest.mark.parametrize("cap", [0.05, 25])
 def test_traced_step_makes_one_all_reduce_per_planned_bucket_and_measures_its_overlap(tmp_path, cap):
     model_of = functools.partial(DigitsMLP, 64, 3)
-    ranks = helpers.launch(measure_ddp.traced_step, model_of, 8, {"bucket_cap_mb": cap}, str(tmp_path), world_size=2,
-                           timeout=120)
+    script = _train_ddp()
+    ranks = helpers.launch(script.run_distributed, script.traced_step, model_of, 8, {"bucket_cap_mb": cap},
+                           str(tmp_path), world_size=2, timeout=120)
     for rank, r in enumerate(ranks):
-        assert r["allreduces"] == len(bucket_plan(model_of(), cap))
+        assert r["allreduces"] == len(bucket_plan(model_of(), cap)) and r["device"] == "cpu"
         assert r["trace"] == str(tmp_path / f"ddp_step_rank{rank}.json") and os.path.exists(r["trace"])
-        m = r["overlap"]
+        m = overlap_of_trace(r["trace"], r["device"])
         assert m["comm_us"] > 0 and m["compute_us"] > 0 and 0 <= m["overlap_us"] <= min(m["comm_us"], m["compute_us"])
         assert m["exposed_comm_us"] == pytest.approx(m["comm_us"] - m["overlap_us"])
 
@@ -353,5 +350,5 @@ def test_gpu_trace_overlap_takes_nccl_kernels_as_communication_and_other_kernels
               span("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 60, 80),
               span("nccl:all_reduce", "cpu_op", 0, 500), span("nccl:all_reduce", "gpu_user_annotation", 60, 80),
               span("aten::addmm", "cpu_op", 0, 500), span("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 150, 10)]
-    got = overlap({"traceEvents": events}, comm=measure_ddp._is_gpu_comm, compute=measure_ddp._is_gpu_compute)
+    got = overlap({"traceEvents": events}, comm=is_gpu_comm, compute=is_gpu_compute)
     assert (got["comm_us"], got["compute_us"], got["overlap_us"], got["exposed_comm_us"]) == (80, 100, 40, 40)

@@ -88,6 +88,18 @@ def test_digits_split_is_real_and_reproducible():
     assert torch.equal(train.y, again.y)
 
 
+def test_the_digits_file_holds_the_uci_test_set_as_scikit_learn_ships_it():
+    """data/digits.npz is the 1,797-row UCI test set, row for row (where scikit-learn is installed to compare)."""
+    import numpy as np
+
+    sklearn_datasets = pytest.importorskip("sklearn.datasets")
+    bunch = sklearn_datasets.load_digits()
+    with np.load(data.DIGITS) as saved:
+        assert saved["images"].shape == (1797, 8, 8) and saved["labels"].shape == (1797,)
+        assert np.array_equal(saved["images"].reshape(1797, 64), bunch.data)
+        assert np.array_equal(saved["labels"], bunch.target)
+
+
 def test_text_tokenizer_round_trips_the_corpus():
     tokens, tok = data.text_tokens()
     assert len(tokens) > 400_000

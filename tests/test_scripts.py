@@ -17,7 +17,7 @@ import pytest
 
 from helpers.export import drift
 from helpers.launcher.torchrun import torchrun_path
-from helpers.paths import SCRIPTS
+from helpers.paths import REPO_ROOT, SCRIPTS
 
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.
 SMOKE_ARGS: dict[str, list[str]] = {
@@ -27,7 +27,8 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "hello_distributed.py": [],
     "rpc_parameter_server.py": ["--steps", "10", "--hidden", "32", "--depth", "1", "--samples", "500"],
     "train_amp.py": ["--steps", "4", "--batch", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2"],
-    "train_ddp.py": ["--epochs", "1", "--hidden", "64", "--depth", "2", "--checkpoint", "digits_mlp.pt"],
+    "train_ddp.py": ["--epochs", "1", "--hidden", "64", "--depth", "2", "--checkpoint", "digits_mlp.pt",
+                     "--data", str(REPO_ROOT / "data" / "digits.npz")],  # the copy alone: told where the data is
     "train_fsdp.py": ["--steps", "5", "--layers", "1", "--d-model", "32", "--batch", "4", "--accum", "2"],
     "train_pipeline.py": ["--steps", "3", "--d-model", "64", "--layers", "2", "--microbatches", "4"],
     "train_tp.py": ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "2"],

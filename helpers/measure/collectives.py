@@ -5,8 +5,9 @@ Why a module: every notebook that says "communication costs X" needs the same di
 easy to make (timing the first call, which includes connection set-up; timing one rank, which may have arrived
 late; forgetting `cuda.synchronize`, which times the kernel launch; comparing a reduce-scatter's bandwidth with
 an all-reduce's without the bus factor). `time_collective` and the ceilings are called inside a worker after
-`dist.init_process_group()`; the `*_worker` harnesses are launched as they are (`helpers.launch(bench.sweep_worker,
-...)`) and start their own group; from the kernel only the pure arithmetic, reading and formatting are called.
+`dist.init_process_group()`: notebook 01b's worker `sweep` (defined in its cells: the process group's life and
+what is timed) receives them as arguments. From the kernel the pure arithmetic, reading and formatting are called,
+and `busbw_by_ranks` / `one_gpu_sweeps` launch the worker they are given at several world sizes.
 
 Definitions (nccl-tests, doc/PERFORMANCE.md). S is the size of the *full* array in bytes: the all-reduce buffer,
 the all-gather output, the reduce-scatter input, the all-to-all buffer of one rank, the broadcast buffer.
@@ -18,7 +19,6 @@ number to hold against a link's bandwidth, and it does not change with n for a b
 """
 from __future__ import annotations
 
-import gc
 import glob
 import os
 import shutil
@@ -285,51 +285,10 @@ def time_collective(name: str, sizes: list[int], *, warmup: int = 5, repeats: in
 
 # ---------------------------------------------------------------------------------------- launched harnesses
 
-def sweep_worker(sizes: list[int], warmup: int = 5, repeats: int = 20, collectives=COLLECTIVES, device=None,
-                 gloo_on_cuda_up_to: int | None = None, ceilings: bool = True) -> dict:
-    """The benchmark notebook 01b launches: every collective at every size, and the ceilings to read them against.
-
-    A harness, not teaching code: it runs under `helpers.launch` (or torchrun) and starts its own process group,
-    with `device_id` on a GPU. Rank 0 measures the ceilings (`measure_ceilings`) before and after the sweep while
-    the others wait, and keeps the better of the two (`best_ceilings`).
-    device: None = this rank's device (its own GPU under NCCL, else the CPU); "cuda:0" puts every rank's tensors
-        on one GPU, which only gloo accepts (NCCL refuses two ranks on one GPU).
-    gloo_on_cuda_up_to: also time the all-reduce of the same CUDA tensors through a gloo group (staged through
-        host memory), for sizes up to this many bytes.
-    ceilings: False skips them (an explorer's press times one point and reads it against the sweep's ceilings).
-    Returns {'records': every rank the same list, 'ceilings': rank 0's (None elsewhere, or when skipped), 'note'}.
-    """
-    import torch
-    import torch.distributed as dist
-
-    from helpers.devices import default_backend, rank_device
-
-    device = rank_device() if device is None else torch.device(device)
-    backend = default_backend()
-    if device.type == "cuda":  # this rank's GPU is the current one: nothing of it lands on cuda:0 by default
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
-    try:
-        lead = ceilings and dist.get_rank() == 0
-        before = measure_ceilings(device) if lead else None  # rank 0 alone; the others wait at the barrier
-        _barrier(None, device)
-        records = [r for name in collectives
-                   for r in time_collective(name, sizes, warmup=warmup, repeats=repeats, device=device)]
-        if gloo_on_cuda_up_to and device.type == "cuda":
-            gloo = dist.new_group(backend="gloo")
-            records += time_collective("all_reduce", [s for s in sizes if s <= gloo_on_cuda_up_to], warmup=warmup,
-                                       repeats=repeats, device=device, group=gloo)
-        _barrier(None, device)
-        best = best_ceilings(before, measure_ceilings(device)) if lead else None
-        return {"records": records, "ceilings": best, "note": environment_note()}
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def busbw_by_ranks(sizes: list[int], world_sizes, collectives=("all_reduce", "all_gather"), warmup: int = 5,
+def busbw_by_ranks(sweep, sizes: list[int], world_sizes, collectives=("all_reduce", "all_gather"), warmup: int = 5,
                    repeats: int = 20) -> list[dict]:
-    """`sweep_worker` at each world size in turn (no ceilings), launched from the kernel: every record of every run.
+    """Notebook 01b's worker `sweep` at each world size in turn (no ceilings), launched from the kernel: every record
+    of every run.
 
     Why: busbw is defined so that a bandwidth-bound collective's figure does not change with the number of ranks
     (the factor takes out what n changes in the traffic); on NCCL ranks, one per GPU, this shows whether the links
@@ -337,13 +296,14 @@ def busbw_by_ranks(sizes: list[int], world_sizes, collectives=("all_reduce", "al
     """
     from helpers.launcher import launch
 
-    return [r for n in world_sizes for r in launch(sweep_worker, sizes, warmup, repeats, collectives=tuple(collectives),
-                                                   ceilings=False, world_size=n, timeout=600)[0]["records"]]
+    return [r for n in world_sizes for r in launch(sweep, sizes, warmup, repeats, time_collective,
+                                                   collectives=tuple(collectives), world_size=n,
+                                                   timeout=600)[0]["records"]]
 
 
-def one_gpu_sweeps(sizes: list[int], warmup: int = 5, repeats: int = 20, gloo_up_to: int = 256 << 20) -> tuple:
-    """What one GPU can show, launched from the kernel: `sweep_worker` at world size 1 under NCCL (the fixed cost of
-    a call, NCCL's own copy against the device's copy rate) with the ceilings, and the all-reduce of CUDA tensors
+def one_gpu_sweeps(sweep, sizes: list[int], warmup: int = 5, repeats: int = 20, gloo_up_to: int = 256 << 20) -> tuple:
+    """What one GPU can show, launched from the kernel: notebook 01b's `sweep` at world size 1 under NCCL (the fixed
+    cost of a call, NCCL's own copy against the device's copy rate) with the ceilings, and the all-reduce of CUDA tensors
     between two gloo ranks sharing the GPU (staged through host memory; sizes up to `gloo_up_to`; no ceilings of its
     own: the first run's loopback TCP is its ceiling).
 
@@ -352,87 +312,17 @@ def one_gpu_sweeps(sizes: list[int], warmup: int = 5, repeats: int = 20, gloo_up
     """
     from helpers.launcher import launch
 
-    alone = launch(sweep_worker, sizes, warmup, repeats, world_size=1, backend="nccl", timeout=600)[0]
-    shared = launch(sweep_worker, [s for s in sizes if s <= gloo_up_to], warmup, repeats, collectives=("all_reduce",),
-                    device="cuda:0", ceilings=False, world_size=2, backend="gloo", timeout=600)[0]
+    alone = launch(sweep, sizes, warmup, repeats, time_collective, measure_ceilings, backend="nccl", world_size=1,
+                   timeout=600)[0]
+    alone["ceilings"] = best_ceilings(*alone["ceilings"])
+    shared = launch(sweep, [s for s in sizes if s <= gloo_up_to], warmup, repeats, time_collective,
+                    collectives=("all_reduce",), device="cuda:0", group_backend="gloo", backend="gloo", world_size=2,
+                    timeout=600)[0]
     return alone, shared
 
 
-def intra_op_threads_worker(thread_counts=(1, 4), size_bytes: int = 1024, rounds: int = 15, calls: int = 50,
-                            warmup: int = 20) -> dict:
-    """All-reduce time of one small CPU message (gloo) under each intra-op thread count, measured side by side.
-
-    Why side by side: a round times `calls` back-to-back all-reduces under every thread count in turn, so a burst
-    of load on a shared machine hits the counts of one round alike, and the per-round ratio is the sample a
-    verdict's interval is taken from. `torch.set_num_threads` is what one article pairs with numactl binding.
-    Every rank returns the same times: per round and count, the slowest rank's mean time per call.
-    (Run it in workers that were not forked from a process that has used OpenMP: `helpers.launch`'s fork-server
-    never has; a fork of a kernel that ran a multi-threaded op can hang at its first parallel op.)
-    """
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group(backend="gloo")
-    try:
-        tensor = torch.ones(max(1, size_bytes // 4))
-        for k in thread_counts:
-            torch.set_num_threads(k)
-            for _ in range(warmup):
-                dist.all_reduce(tensor)
-        times = {k: [] for k in thread_counts}
-        for _ in range(rounds):
-            for k in thread_counts:
-                torch.set_num_threads(k)
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    dist.all_reduce(tensor)
-                times[k].append((time.perf_counter() - start) / calls)
-        packed = torch.tensor([t for k in thread_counts for t in times[k]], dtype=torch.float64)
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-        slowest = packed.view(len(thread_counts), rounds).tolist()
-        return {"times_s": dict(zip(thread_counts, slowest)), "size_bytes": tensor.numel() * 4,
-                "world_size": dist.get_world_size(), "cores": usable_cores()}
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def detail_cost_worker(rounds: int = 15, calls: int = 20) -> dict:
-    """What `TORCH_DISTRIBUTED_DEBUG=DETAIL` costs one small all-reduce: its time on the default group (checked,
-    when the variable is set) over its time on a group created with the check switched off, side by side.
-
-    Launch it with env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}. No barrier between the calls: under DETAIL a barrier
-    is a checked collective of its own. Returns the per-round ratios and both medians (seconds per call).
-    """
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group(backend="gloo")
-    try:
-        dist.set_debug_level(dist.DebugLevel.OFF)
-        unchecked = dist.new_group()  # created while the check is off: not wrapped
-        dist.set_debug_level_from_env()
-        tensor = torch.ones(1)
-
-        def per_call_s(group):
-            start = time.perf_counter()
-            for _ in range(calls):
-                dist.all_reduce(tensor, group=group)
-            return (time.perf_counter() - start) / calls
-
-        per_call_s(None), per_call_s(unchecked)  # warm-up
-        pairs = [(per_call_s(None), per_call_s(unchecked)) for _ in range(rounds)]
-        return {"debug_level": str(dist.get_debug_level()), "ratios": [d / o for d, o in pairs],
-                "detail_s": summarize([d for d, _ in pairs])["median_s"],
-                "off_s": summarize([o for _, o in pairs])["median_s"]}
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
 def transport_facts() -> dict:
-    """What this machine has of the settings the articles' network advice touches: TCP receive-buffer limits
+    """What this machine has of the settings that circulating network advice touches: TCP receive-buffer limits
     (net.ipv4.tcp_rmem min/default/max and net.core.rmem_max, bytes), InfiniBand devices, NUMA nodes, numactl.
 
     Read from /proc and /sys (Linux); a value this machine does not expose is None.
@@ -640,7 +530,7 @@ def format_ceilings(ceilings: dict) -> str:
 
 
 def latency_and_bandwidth(rows: list[dict]) -> dict:
-    """The two figures an article's backend table quotes, from one collective's records: latency (ms, the median
+    """The two figures a backend table quotes, from one collective's records: latency (ms, the median
     time of the smallest message) and bandwidth (GB/s, the best busbw), each as (median, bootstrap interval of the
     median over the repeats), and the context they were measured in."""
     from helpers.measure.claims import median_interval
@@ -748,7 +638,7 @@ def one_gpu_figures(alone: dict, shared: dict) -> dict:
 
 
 def one_gpu_report(alone: dict, shared: dict, world_size: int) -> str:
-    """What one GPU can and cannot show, from `sweep_worker` at world size 1 under NCCL (`alone`, with the
+    """What one GPU can and cannot show, from `sweep` at world size 1 under NCCL (`alone`, with the
     ceilings) and two gloo ranks sharing the GPU (`shared`): NCCL's one-rank table against the device copy rate
     (HBM), gloo's table against loopback TCP (its transport between the ranks), then a can / cannot table whose
     figures come from `one_gpu_figures` (median and interval, ready for docs/measurements.md)."""

@@ -1,4 +1,5 @@
-"""Watching DDP from the inside: how many buckets it builds, what it hands to the wire (timing: helpers.measure.timing).
+"""Watching DDP from the inside: how many buckets it builds, what it hands to the wire (the timing workers are
+scripts/train_ddp.py's `step_times` and `traced_step`).
 
 Why a module of its own: notebooks 02 and 02b must show the DDP lines themselves (the wrapper, `no_sync`, the comm hook,
 `Join`), not the book-keeping around them. Everything here observes or predicts; nothing changes what DDP
@@ -11,11 +12,8 @@ computes. The predictions are the closed forms the notebook asserts against:
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import threading
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -25,24 +23,6 @@ from helpers.devices import cpu_ranks_env
 
 MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's default bucket_cap_mb
-
-
-# ----------------------------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def accuracy(model: torch.nn.Module, split, device: torch.device | str | None = None, batch_size: int = 1024) -> float:
-    """Fraction of `split` (a helpers.data.Split) that `model` classifies correctly; the model's mode is restored."""
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    correct = 0
-    for start in range(0, len(split), batch_size):
-        x = split.x[start:start + batch_size].to(device)
-        y = split.y[start:start + batch_size].to(device)
-        correct += int((model(x).argmax(dim=1) == y).sum())
-    model.train(was_training)
-    return correct / len(split)
 
 
 # ----------------------------------------------------------------------------------------------- buckets
@@ -89,49 +69,6 @@ def bucket_plan(model: torch.nn.Module, bucket_cap_mb: float | None = None) -> l
 
 
 # ----------------------------------------------------------------------------------------------- counting
-
-
-def _counted_hook(counter: "CommCounter", bucket):
-    buffer = bucket.buffer()
-    with counter.lock:
-        counter.calls.append((bucket.index(), buffer.numel(), buffer.numel() * buffer.element_size()))
-    return counter.hook(counter.state, bucket)
-
-
-@dataclass
-class CommCounter:
-    """A comm-hook state that records every bucket DDP hands over, then lets `hook` (plain all-reduce by default,
-    which is what DDP does without a hook) do the communication.
-
-    Register with `counter.register(ddp_model)`. `calls` holds one (bucket index, elements, bytes) per bucket.
-    """
-
-    hook: object = None
-    state: object = None
-    calls: list = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self):
-        if self.hook is None:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            self.hook = allreduce_hook
-
-    def register(self, ddp_model) -> "CommCounter":
-        ddp_model.register_comm_hook(self, _counted_hook)
-        return self
-
-    def reset(self) -> None:
-        with self.lock:
-            self.calls.clear()
-
-    @property
-    def count(self) -> int:
-        return len(self.calls)
-
-    @property
-    def bucket_bytes(self) -> list[int]:
-        return [b for _, _, b in self.calls]
 
 
 class PayloadCounter:
@@ -221,10 +158,7 @@ def expected_payload(shapes: list[tuple[int, ...]], method: str, rank: int | Non
     return {"bytes_per_step": per_step, "expected_total": total}
 
 
-# ----------------------------------------------------------------------------------------------- CPU ranks
-
-
-
+# ----------------------------------------------------------------------------------------------- sizes
 
 # The sizes notebooks 02 and 02b share, by SIZE: (HIDDEN, DEPTH) of the DigitsMLP trained to accuracy, (BIG_HIDDEN,
 # BIG_DEPTH) of the one for buckets, ZeRO and scaling (at "gpu" size its gradients exceed DDP's 25 MB default
@@ -276,194 +210,11 @@ def ratio_interval(numerator: list[float], denominator: list[float], **bootstrap
     return n_lo / d_hi, n_hi / d_lo
 
 
-def _event_time(step, device) -> float:
-    """Seconds of one call of step(), after a barrier so that every rank starts together: CUDA events on a GPU
-    (the GPU's own clock), else wall time with the device idle at both ends."""
-    from helpers.measure.timing import timed
-
-    if device.type != "cuda":
-        return timed(step, device)[1]
-    torch.cuda.synchronize(device)
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
-
-
-def _digits_batch(batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `batch_size` training digits of this rank's share (rank r takes every world-th sample)."""
-    from helpers.data import load_digits
-
-    train = load_digits()[0]
-    index = torch.arange(dist.get_rank(), dist.get_rank() + batch_size * dist.get_world_size(),
-                         dist.get_world_size()) % len(train)
-    return train.x[index].to(device), train.y[index].to(device)
-
-
-def _variant_step(spec: dict, model_factory, x, y, device, seed: int):
-    """(the module, a function running one step of the variant) for one `step_times` variant."""
-    mode, ddp_kwargs, accum = spec.get("mode", "step"), spec.get("ddp", {}), spec.get("accum", 1)
-    torch.manual_seed(seed)
-    module = spec.get("factory", model_factory)().to(device)
-    model = module if ddp_kwargs is None else torch.nn.parallel.DistributedDataParallel(
-        module, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    grads = [p for p in module.parameters() if p.requires_grad]
-    flat = [torch.zeros(b // 4, device=device) for b in bucket_plan(module)] if mode == "allreduce" else []
-    world = dist.get_world_size()
-
-    def step():
-        optimizer.zero_grad()
-        if mode == "allreduce":
-            for t in flat:
-                dist.all_reduce(t)
-            return
-        for micro in range(accum):  # accum > 1: gradient accumulation, all-reduce on the last only
-            skip = mode in ("no_sync", "delayed") or micro < accum - 1
-            with model.no_sync() if skip else contextlib.nullcontext():
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-        if mode == "delayed":
-            buffer = torch.cat([p.grad.reshape(-1) for p in grads])
-            dist.all_reduce(buffer)
-            torch.nn.utils.vector_to_parameters(buffer / world, [p.grad for p in grads])
-        optimizer.step()
-
-    return module, step
-
-
-def _step_peak_bytes(step, device) -> int:
-    """Peak bytes that one step() holds beyond what was allocated before it. On a GPU the caching allocator's own
-    statistics (they also see what DDP's C++ reducer allocates); elsewhere the dispatch-mode probe of notebook 05."""
-    from helpers.measure.activations import LiveTensorBytes
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    with LiveTensorBytes() as live:
-        step()
-    return live.peak
-
-
-def _bucket_bytes(spec: dict, model_factory, x, y, device, seed: int) -> list[int]:
-    """The bytes of each bucket a fresh DDP copy of the variant reduces in its second iteration (comm hook)."""
-    torch.manual_seed(seed)
-    counted = torch.nn.parallel.DistributedDataParallel(
-        spec.get("factory", model_factory)().to(device), device_ids=[device.index] if device.type == "cuda" else None,
-        **spec.get("ddp", {}))
-    counter = CommCounter().register(counted)
-    for _ in range(2):  # the first iteration uses one bucket; the second, the rebuilt ones
-        counter.reset()
-        torch.nn.functional.cross_entropy(counted(x), y).backward()
-    return counter.bucket_bytes
-
-
-def step_times(model_factory, batch_size: int, variants: dict, repeats: int, seed: int = 0, warmup: int = 2) -> dict:
-    """A measurement worker (launch it; it joins the process group itself): times variants of one training step.
-
-    Why here and not in the notebook: the notebook shows the DDP lines (the wrapper, `no_sync`, `bucket_cap_mb`);
-    the timing loop, the bucket counting and the memory probe are book-keeping around them.
-
-    model_factory(): the module (built after `torch.manual_seed(seed)`, so every variant starts from the same
-    weights). variants[label] = {"ddp": DDP kwargs, or None for the plain module without DDP; "mode": "step"
-    (forward, backward, SGD step), "no_sync" (the same step with DDP's all-reduce skipped: compute only),
-    "delayed" (backward under no_sync, then one all-reduce of all gradients after it: Apex's
-    delay_all_reduce=True), or "allreduce" (only the all-reduces of DDP's buckets, no compute);
-    "accum": micro-batches per step (no_sync on all but the last); "factory": another model_factory;
-    "memory": also record the peak tensor bytes of one step (CUDA memory statistics on a GPU);
-    "count_buckets" (default True for DDP variants); "params" (default True: return the trained parameters; False
-    spares sending a large model's copy back);
-    "group": variants of one group (default: all in one) are built together and timed in turn, repeat after
-    repeat, so that a load that comes and goes on a shared machine hits them alike (a ratio taken side by side);
-    groups are timed one after the other, each freed before the next is built (many large models: less memory)}.
-    Returns per label: "times" (seconds per repeat), "buckets" (bytes of each bucket DDP reduced in a step,
-    counted by a comm hook, from its second iteration), "peak_bytes", "params" (after every step ran; every
-    variant runs warmup + repeats steps, plus one with "memory").
-    """
-    from helpers.devices import default_backend, rank_device
-
-    device = rank_device()
-    backend = default_backend()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any collective: CUDA events and NCCL on this rank's own GPU
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    try:
-        x, y = _digits_batch(batch_size, device)
-        out = {label: {"times": []} for label in variants}
-        groups: dict = {}
-        for label, spec in variants.items():
-            groups.setdefault(spec.get("group"), []).append(label)
-        for labels in groups.values():
-            built = {label: _variant_step(variants[label], model_factory, x, y, device, seed) for label in labels}
-            for _ in range(warmup):
-                for _, step in built.values():
-                    step()
-            for _ in range(repeats):
-                for label, (_, step) in built.items():
-                    out[label]["times"].append(_event_time(step, device))
-            for label, (module, step) in built.items():
-                spec = variants[label]
-                if spec.get("memory"):
-                    out[label]["peak_bytes"] = _step_peak_bytes(step, device)
-                if spec.get("params", True):
-                    out[label]["params"] = torch.nn.utils.parameters_to_vector(module.parameters()).detach().cpu()
-                if spec.get("ddp", {}) is not None and spec.get("count_buckets", True):
-                    out[label]["buckets"] = _bucket_bytes(spec, model_factory, x, y, device, seed)
-            del built
-            gc.collect()
-        return out
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------------------------- data loading
-
-
-def loader_throughput(settings: dict, batch_size: int, batches: int, repeats: int) -> dict:
-    """A measurement worker (world size 1): samples per second each DataLoader setting delivers to this rank's
-    device, on the notebook's data (the digits as a TensorDataset), per repeat.
-
-    settings[label] = DataLoader keyword arguments (num_workers, pin_memory, prefetch_factor,
-    persistent_workers...). Each repeat iterates `batches` batches from a fresh iterator; with workers, their
-    start-up is part of a repeat only once (persistent workers), as in a training job's epochs. On a GPU each
-    batch is copied to it (non_blocking, which only overlaps when the memory is pinned).
-    """
-    import time
-
-    from torch.utils.data import DataLoader
-
-    from helpers.data import digits_dataset, load_digits
-    from helpers.devices import rank_device
-
-    device = rank_device()
-    dataset = digits_dataset(load_digits()[0])
-    out = {}
-    for label, kwargs in settings.items():
-        loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, **kwargs)
-        rates = []
-        for _ in range(repeats + 1):  # the first pass starts the workers: not timed
-            start, seen = time.perf_counter(), 0
-            for (x, y), _ in zip(loader, range(batches)):
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                seen += len(y)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            rates.append(seen / (time.perf_counter() - start))
-        out[label] = rates[1:]
-        del loader
-        gc.collect()
-    return out
+# ----------------------------------------------------------------------------------------------- around the workers
 
 
 def payload_counted(body, device, *args, **kwargs) -> dict:
-    """Run a worker body (`body(device, ...)`, as the script's `in_process_group` calls it) with a
+    """Run a worker body (`body(device, ...)`, as the script's `run_distributed` calls it) with a
     `PayloadCounter` on: {"result": what it returned, "bytes": every byte it handed to dist.all_reduce}.
 
     Why a wrapper: the body stays plain PyTorch; the counting wraps it from outside, in the worker's process.
@@ -482,9 +233,10 @@ def percent_change(new_times: list[float], old_times: list[float]) -> tuple[floa
     return 100 * (statistics.median(new_times) / statistics.median(old_times) - 1), (100 * (low - 1), 100 * (high - 1))
 
 
-def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, gpus: int, timeout: float) -> list:
-    """Per world size n: the medians of the DDP step, the same step under no_sync (compute only) and the
-    all-reduce of its buckets alone; samples/s; and the share of the all-reduce time hidden behind backward,
+def weak_scaling(run_distributed, step_times, model_factory, per_rank: int, sizes: list[int], repeats: int, gpus: int,
+                 timeout: float) -> list:
+    """Launches `run_distributed(step_times, ...)` (both from scripts/train_ddp.py) at each world size n: the medians
+    of the DDP step, the same step under no_sync (compute only) and the all-reduce of its buckets alone; samples/s; and the share of the all-reduce time hidden behind backward,
     1 - (step - compute) / all-reduce (nan at n = 1). Where the largest n exceeds the GPUs every n runs on CPU
     ranks with the GPUs hidden and one thread each (a core is the device: at n = 1 the launcher would give the
     rank every core), so that T_n / (n T_1) compares one kind of device. Rows for
@@ -497,13 +249,15 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     rows = []
     # parameters come back for the replicas' check only: the other variants' copies would be sent for nothing
     modes = {m: {"mode": m, "count_buckets": False, "params": m == "step"} for m in ("step", "no_sync", "allreduce")}
+    modes["allreduce"]["bucket_bytes"] = bucket_plan(model_factory())  # the buckets DDP all-reduces, alone
     on_cpu = gpus < max(sizes)
     print(f"weak scaling, world sizes {sizes}: " + ("a GPU per rank, NCCL" if not on_cpu else "CPU ranks with gloo, "
           "one core each" + (f" (this machine's {gpus} GPU(s) cannot give each of {max(sizes)} ranks its own)"
                              if gpus else "")))
     for n in sizes:
         variants = {**modes, "plain": {"ddp": None, "params": False}} if n == 1 else modes
-        ranks = launch(step_times, model_factory, per_rank, variants, repeats, world_size=n, timeout=timeout,
+        ranks = launch(run_distributed, step_times, model_factory, per_rank, variants, repeats, world_size=n,
+                       timeout=timeout,
                        env=cpu_ranks_env(max(sizes), gpus),  # one device kind for every n: T_n / (n T_1) compares
                        threads=1 if on_cpu else None)  # CPU ranks: one core each at every n, n = 1 too
         if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
@@ -516,71 +270,3 @@ def weak_scaling(model_factory, per_rank: int, sizes: list[int], repeats: int, g
     for r in rows:
         r["efficiency"] = r["samples_per_s"] / (r["world_size"] * rows[0]["samples_per_s"])
     return rows
-
-
-# ----------------------------------------------------------------------------------------------- overlap
-
-
-def _is_gpu_comm(event: dict) -> bool:
-    return event.get("cat") == "kernel" and "nccl" in event.get("name", "").lower()
-
-
-def _is_gpu_compute(event: dict) -> bool:
-    return event.get("cat") == "kernel" and "nccl" not in event.get("name", "").lower()
-
-
-def traced_step(model_factory, batch_size: int, ddp_kwargs: dict, trace_dir: str, warmup: int = 2,
-                seed: int = 0) -> dict:
-    """A measurement worker (launch it, or `Workers.run` it; it joins the process group itself): one DDP step
-    profiled, and how much of its gradient communication ran while computation ran.
-
-    Why a worker here: the notebook teaches `bucket_cap_mb`; the profiler, the trace file and the interval
-    arithmetic (helpers.measure.trace_overlap) are book-keeping around it. The step is profiled after `warmup`
-    steps, so DDP has rebuilt its buckets in ready order (what `bucket_plan` predicts). On CPU ranks the spans are
-    the profiler's host events (gloo's all-reduces on its own threads, backward's ops on autograd's); on GPU ranks
-    the device's kernels (NCCL kernels against the others), since host events only show when work was queued.
-    Returns {"trace": the Chrome trace's path (open it in Perfetto), "allreduces": c10d all-reduce calls in the
-    step (one per bucket), "overlap": trace_overlap.overlap(...) of this rank's trace}.
-    """
-    import os
-
-    from helpers.devices import default_backend, rank_device
-
-    os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # the profiler's start/stop lines on every rank: silenced
-    device = rank_device()
-    backend = default_backend()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any collective: NCCL's communicator on this rank's own GPU
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    try:
-        return _traced(model_factory, batch_size, ddp_kwargs, trace_dir, warmup, seed, device)
-    finally:
-        gc.collect()  # DDP's reducer died with _traced's frame: nothing holds gloo work at destroy_process_group
-        dist.destroy_process_group()
-
-
-def _traced(model_factory, batch_size, ddp_kwargs, trace_dir, warmup, seed, device) -> dict:
-    import os
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from helpers.measure.trace_overlap import is_comm, is_compute, overlap
-
-    x, y = _digits_batch(batch_size, device)
-    torch.manual_seed(seed)
-    model = torch.nn.parallel.DistributedDataParallel(
-        model_factory().to(device), device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
-    for step in range(warmup + 1):  # the last step profiled: by then DDP has rebuilt its buckets in ready order
-        if step == warmup:
-            dist.barrier()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) if step == warmup else contextlib.nullcontext() as prof:
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-    path = os.path.join(trace_dir, f"ddp_step_rank{dist.get_rank()}.json")
-    prof.export_chrome_trace(path)
-    comm, compute = (_is_gpu_comm, _is_gpu_compute) if device.type == "cuda" else (is_comm, is_compute)
-    return {"trace": path, "allreduces": sum(event.name == "c10d::allreduce_" for event in prof.events()),
-            "overlap": overlap(path, comm=comm, compute=compute)}

@@ -68,3 +68,21 @@ def overlap(trace, comm=is_comm, compute=is_compute) -> dict:
     return {"comm_us": comm_us, "compute_us": sum(b - a for a, b in compute_iv), "overlap_us": both,
             "exposed_comm_us": comm_us - both, "overlap_share": both / comm_us if comm_us else float("nan"),
             "comm_intervals": comm_iv, "compute_intervals": compute_iv}
+
+
+def is_gpu_comm(event: dict) -> bool:
+    """A GPU trace's communication: NCCL's kernels on the device (host spans only say when work was queued)."""
+    return event.get("cat") == "kernel" and "nccl" in event.get("name", "").lower()
+
+
+def is_gpu_compute(event: dict) -> bool:
+    """A GPU trace's computation: every other kernel on the device."""
+    return event.get("cat") == "kernel" and "nccl" not in event.get("name", "").lower()
+
+
+def overlap_of_trace(trace, device_type: str) -> dict:
+    """`overlap` of a step traced on `device_type`: on CPU ranks the profiler's host events (gloo's all-reduces on
+    its own threads, backward's ops on autograd's), on GPU ranks the device's kernels (NCCL's against the others)."""
+    if device_type == "cuda":
+        return overlap(trace, comm=is_gpu_comm, compute=is_gpu_compute)
+    return overlap(trace)
