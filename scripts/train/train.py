@@ -193,20 +193,25 @@ def default_data() -> Path:
 
 # ---------------------------------------------------------------------------------------------------- measurements
 def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a large square matmul on this device in `dtype`, best of a few timings: the ceiling MFU is
-    measured against (what this rank can reach here, now: on a shared CPU, with its peers running)."""
-    n = 4096 if device.type == "cuda" else 512
-    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    """FLOP/s of large square matmuls on this device in `dtype`, the best of a few timings (about a second on a
+    GPU, a fraction on a CPU): the ceiling MFU is measured against, what this rank can reach here and now (on a
+    shared CPU, with its peers running)."""
+    sizes = (4096, 8192) if device.type == "cuda" else (512,)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best, reps = math.inf, 10 if device.type == "cuda" else 3
-    for _ in range(4):
-        sync()
-        start = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        sync()
-        best = min(best, (time.perf_counter() - start) / reps)
-    return 2 * n ** 3 / best
+    best = 0.0
+    for n in sizes:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        reps = max(2, int(4e12 // (2 * n ** 3))) if device.type == "cuda" else 3
+        a @ b
+        for _ in range(4):
+            sync()
+            start = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            sync()
+            best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - start))
+        del a, b
+    return best
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -461,7 +466,7 @@ def train(device: torch.device, args) -> dict:
     metrics = open(args.metrics, "a", buffering=1) if args.metrics and rank == 0 else None
     first_step, eval_loss, stopped = trainer.state.step, None, False
     window_start, window_steps, started = time.perf_counter(), 0, time.perf_counter()
-    tokens_per_s = mfu = 0.0
+    tokens_per_s = mfu = memory_gib = 0.0
     try:
         while trainer.state.step < args.steps:
             loss, norm = trainer.step()
@@ -483,10 +488,11 @@ def train(device: torch.device, args) -> dict:
                 mfu = tokens_per_s * flops_per_token / peak.item()
                 memory = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64)
                 dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+                memory_gib = memory.item() / 2 ** 30
                 left = (args.steps - step) * elapsed / window_steps
                 log(rank, f"step {step:>6}/{args.steps}  loss {mean_loss:.4f}  lr {lr:.2e}  grad_norm "
                           f"{norm_value:.3f}  tokens/s {tokens_per_s:,.0f}  MFU {100 * mfu:.1f}%  peak memory "
-                          f"{memory.item() / 2 ** 30:.2f} GiB  time left {left:.0f} s")
+                          f"{memory_gib:.2f} GiB  time left {left:.0f} s")
                 window_start, window_steps = time.perf_counter(), 0
             if args.eval_every and step % args.eval_every == 0 and step < args.steps:
                 eval_loss = trainer.evaluate()
@@ -518,6 +524,8 @@ def train(device: torch.device, args) -> dict:
     seconds = time.perf_counter() - started
     return {"rank": rank, "step": trainer.state.step, "eval_loss": eval_loss, "stopped": stopped,
             "seconds": seconds, "tokens_per_s": tokens_per_s, "mfu": mfu,
+            "matmul_peak_tflops": peak.item() / 1e12, "peak_memory_gib": memory_gib, "parameters": cfg.num_params(),
+            "world_size": world, "device": device.type,
             "checkpoint": str(ckpt.latest(args.ckpt_dir)) if args.ckpt_dir else None}
 
 
