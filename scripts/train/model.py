@@ -125,6 +125,7 @@ class GPT(nn.Module):
         GPT-2's scaling), ones for the RMSNorm weights. Parameters may be DTensors (sharded, replicated)."""
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
+            name = name.replace("_orig_mod.", "")      # a torch.compile'd block's wrapper (apply_compile)
             if name.endswith("norm.weight"):
                 full = torch.ones(param.shape)
             else:

@@ -123,19 +123,29 @@ def apply_ac(model: nn.Module, mode: str) -> None:
     context_fn = None
     if mode == "selective":
         context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
-    for i, block in enumerate(model.layers.values()):
-        if mode == "alternate" and int(list(model.layers)[i]) % 2:
+    for name, block in model.layers.items():
+        if mode == "alternate" and int(name) % 2:
             continue
-        forward = block.forward
-        kwargs = {"context_fn": context_fn} if context_fn else {}
-        block.forward = functools.partial(checkpoint, forward, use_reentrant=False, **kwargs)
+        block.forward = _checkpointed(block.forward, checkpoint, context_fn)
+
+
+def _checkpointed(forward, checkpoint, context_fn):
+    """forward run under torch.utils.checkpoint. A function of our own, not functools.partial(checkpoint, ...):
+    torch.compile skips frames of torch's own files, so the compiled block must enter through code of ours, where
+    it sees the checkpoint call and traces it."""
+    options = {"context_fn": context_fn} if context_fn else {}
+
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+    return checkpointed_forward
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block in place (`Module.compile`: no wrapper, names unchanged). The blocks are alike, so
-    one compilation serves them all; the FSDP2 hooks between blocks stay outside the compiled graphs."""
-    for block in model.layers.values():
-        block.compile(fullgraph=True)
+    """torch.compile each block (as torchtitan does: the blocks are alike, so one compiled graph serves them all),
+    before FSDP2, so its hooks stay outside the compiled graphs. The compiled block is a wrapper whose parameter
+    names gain `_orig_mod.`; get_state_dict (and so every checkpoint) and init_weights drop it."""
+    for name, block in model.layers.named_children():
+        model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
