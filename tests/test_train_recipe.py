@@ -5,7 +5,9 @@ on CPU ranks (gloo; the GPUs hidden, so the runs are the same on any machine).
 What is proved, each from runs made once and shared between the asserts (a module-scoped fixture runs them all,
 a few at a time):
 - every layout (DDP, FSDP2, HSDP, TP, FSDP x TP, pipeline) gives the one-process run's losses, step by step, and
-  its evaluation loss, within LOSS_RTOL;
+  its evaluation loss, within LOSS_RTOL; with the options a layout's run also carries (torch.compile and full
+  activation checkpointing with DDP, selective checkpointing and flags from --config with TP, every other block
+  checkpointed in the pipeline, async saves with FSDP2), which must not change what is computed;
 - a run killed (SIGKILL, as a lost node) after step 2 and run again resumes from its checkpoint and then matches
   the uninterrupted run bit for bit, losses and final weights; so does one stopped by SIGTERM (which saves and
   exits with status 0);
@@ -120,6 +122,7 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
     env |= {"PYTHONPATH": str(blocker), "CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": str(root / "cache")}
     from pydoc_data.topics import topics
 
+    (root / "tp.json").write_text(json.dumps({"tp": 2, "ac": "selective"}))   # flags from a file
     (root / "corpus.txt").write_text("\n\n".join(topics[key] for key in sorted(topics)), encoding="utf-8")
     prepared = subprocess.run([sys.executable, "train.py", "prepare", "--text", "corpus.txt", "--out", "tokens.bin"],
                               cwd=root, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -140,11 +143,11 @@ def runs(workspace) -> dict[str, Result]:
     ckpt = ["--save-every", "2"]
     return _run_all(root, env, [
         Job("one", [], 1),
-        Job("fsdp", ["--ckpt-dir", "ck_fsdp", *ckpt, "--eval-every", "2"], 2),
+        Job("fsdp", ["--ckpt-dir", "ck_fsdp", *ckpt, "--eval-every", "2", "--async-save", "--export", "live.pt"], 2),
         Job("crash", ["--ckpt-dir", "ck_crash", *ckpt, "--crash-at", "2"], 2),
-        Job("ddp", ["--dp-replicate", "2", "--dp-shard", "1"], 2),
-        Job("tp", ["--tp", "2"], 2),
-        Job("pp", ["--pp", "2", "--accum", "2"], 2),
+        Job("ddp", ["--dp-replicate", "2", "--dp-shard", "1", "--compile", "--ac", "full"], 2),
+        Job("tp", ["--config", "tp.json"], 2),
+        Job("pp", ["--pp", "2", "--accum", "2", "--ac", "alternate"], 2),
         Job("term", ["--ckpt-dir", "ck_term", "--save-every", "3", "--crash-at", "2", "--crash-signal", "TERM"], 1),
         Job("resumed", ["--ckpt-dir", "ck_crash", *ckpt], 2, after=("crash",)),
         Job("term_resumed", ["--ckpt-dir", "ck_term"], 1, after=("term",)),
@@ -230,9 +233,11 @@ def test_a_run_killed_by_sigkill_resumes_bit_for_bit(runs, workspace):
     assert resumed.final_eval() == uninterrupted.final_eval()
     for name in ("export_fsdp", "export_resumed"):
         _assert_clean(runs[name], name)
-    mine, theirs = (torch.load(root / f, weights_only=True) for f in ("resumed.pt", "fsdp.pt"))
-    assert mine["config"] == theirs["config"]
+    mine, theirs, live = (torch.load(root / f, weights_only=True) for f in ("resumed.pt", "fsdp.pt", "live.pt"))
+    assert mine["config"] == theirs["config"] == live["config"]
     torch.testing.assert_close(mine["model"], theirs["model"], rtol=0, atol=0)
+    # the export the training processes wrote at the end (gathered by get_model_state_dict) is the same model
+    torch.testing.assert_close(live["model"], theirs["model"], rtol=0, atol=0)
 
 
 def test_sigterm_saves_exits_cleanly_and_resumes_bit_for_bit(runs):

@@ -165,11 +165,15 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu"):
     return model.eval()
 
 
-def export_full_state_dict(model, out: str | Path) -> None:
-    """The in-process export, from a model sharded over the whole world (FSDP2, TP; not a pipeline stage): every
-    rank takes part in gathering each parameter, rank 0 alone receives it on the CPU and writes the file."""
+def export_full_state_dict(model, cfg, out: str | Path) -> None:
+    """The same file as `export`, written from the training processes at the end of a run: every rank takes part
+    in gathering each parameter whole (get_model_state_dict with full_state_dict), and rank 0 alone receives it,
+    on the CPU (cpu_offload), and writes it. For a model sharded over the whole world (FSDP2, HSDP, TP, DDP); a
+    pipeline stage holds only its own blocks, so a pipelined run exports from its checkpoint instead."""
+    from dataclasses import asdict
+
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
-        torch.save({"config": vars(model.cfg) if hasattr(model, "cfg") else None, "model": state}, out)
+        torch.save({"config": asdict(cfg), "model": state}, out)

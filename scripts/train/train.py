@@ -125,6 +125,8 @@ def build_parser() -> Parser:
     g.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
     g.add_argument("--keep", type=int, default=2, help="committed checkpoints kept")
     g.add_argument("--async-save", action="store_true", help="dcp.async_save: write while training goes on")
+    g.add_argument("--export", help="at the end, write the whole model to this file for inference (torch.save; "
+                   "with --pp it needs --ckpt-dir and is made from the last checkpoint)")
     g.add_argument("--crash-at", type=int, help="plant a failure: after this step the last rank kills itself "
                    "(--crash-signal), on torchrun's first attempt only")
     g.add_argument("--crash-signal", choices=["KILL", "TERM"], default="KILL")
@@ -172,6 +174,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--batch {args.batch} must be a multiple of data-parallel ranks {dp} x --accum {args.accum}")
     if args.pp > 1 and args.pp_schedule == "1f1b" and args.accum < args.pp:
         parser.error(f"the 1f1b schedule needs --accum (micro-batches) >= --pp {args.pp}, got {args.accum}")
+    if args.export and args.pp > 1 and not args.ckpt_dir:
+        parser.error("--export with --pp needs --ckpt-dir: no rank holds the whole model, the checkpoint does")
     if args.data is not None and not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file (make one with: python train.py prepare --text ... --out ...)")
     return args
@@ -517,6 +521,14 @@ def train(device: torch.device, args) -> dict:
             if checkpointer.saved_step != trainer.state.step:
                 checkpointer.save(trainer.state)
             checkpointer.wait()
+        if args.export and not stopped:
+            if args.pp > 1:
+                dist.barrier()                  # rank 0 committed the last save before the barrier
+                if rank == 0:
+                    ckpt.export(ckpt.latest(args.ckpt_dir), args.export)
+            else:
+                ckpt.export_full_state_dict(trainer.train_model, cfg, args.export)
+            log(rank, f"exported the model to {args.export}")
     finally:
         if metrics:
             metrics.close()
