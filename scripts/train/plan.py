@@ -91,6 +91,7 @@ class Training:
     optimizer: str = "adamw"
     precision: str = "fp32"
     checkpointing: str = "none"
+    fused_rms_norm: bool = True  # CUDA's rms_norm is one kernel; torch 2.13's CPU path composes it (see below)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -259,13 +260,15 @@ def layer_activations(model: ModelConfig, train: Training, tp: int) -> dict[str,
     the sequence, but DTensor saves the all-gathered (whole) input of every column-wise projection: the two
     "gathered" terms do not shrink with tp (Megatron keeps the shard and gathers again in backward; DTensor does not).
     Under bf16 autocast the normed input is cast to bf16 once per projection it feeds (autocast caches casts of
-    weights, not of activations): three copies for wq, wk, wv.
+    weights, not of activations): three copies for wq, wk, wv. RMSNorm: on CUDA `rms_norm` is one fused kernel
+    that keeps its input and one fp32 rstd per row; torch 2.13 on the CPU composes it of pow, mean, rsqrt and mul,
+    which also keep x * rstd (`Training.fused_rms_norm=False` counts that).
     """
     b = _dtype_bytes(train.precision)
     n = train.batch_size * train.seq_len                 # tokens of one micro-batch
     d, hidden, heads = model.dim, model.hidden, model.n_heads
     casts_qkv = 3 if train.precision == "bf16-autocast" else 1
-    return {
+    terms = {
         "norm inputs (x, h)": 2 * n * d * b["residual"] / tp,
         "norm rstd": 2 * n * 4 / tp,
         "attention input, gathered (q/k/v projections)": casts_qkv * n * d * b["matmul"],
@@ -276,25 +279,30 @@ def layer_activations(model: ModelConfig, train: Training, tp: int) -> dict[str,
         "mlp hidden before GELU": n * hidden * b["matmul"] / tp,
         "mlp hidden after GELU (w2 input)": n * hidden * b["matmul"] / tp,
     }
+    if not train.fused_rms_norm:
+        terms["norm x * rstd (composite RMSNorm)"] = 2 * n * d * b["residual"] / tp
+    return terms
 
 
 def head_activations(model: ModelConfig, train: Training, tp: int) -> dict[str, float]:
     """Bytes kept outside the blocks for one micro-batch on the last stage: the final norm's input, the output
-    projection's (gathered) input, and the loss's fp32 log-probabilities over the vocabulary (split by tp under
-    loss parallelism); on the first stage the token indices of the embedding."""
+    projection's (gathered) input, the loss's fp32 log-probabilities over the vocabulary (split by tp under loss
+    parallelism) and its int64 targets."""
     b = _dtype_bytes(train.precision)
     n = train.batch_size * train.seq_len
     d, v = model.dim, model.vocab_size
+    norm = (1 if train.fused_rms_norm else 2) * n * d * b["residual"] / tp
     return {
-        "final norm input": n * d * b["residual"] / tp + n * 4 / tp,
+        "final norm input": norm + n * 4 / tp,
         "output projection input, gathered": n * d * b["matmul"],
         "log-probabilities (fp32)": n * v * 4 / tp,
+        "targets": n * 8,
     }
 
 
 def embedding_activations(train: Training) -> dict[str, float]:
-    n = train.batch_size * train.seq_len
-    return {"token ids": n * 8}
+    """The token ids and the positions the embeddings keep for their backward (int64)."""
+    return {"token ids": train.batch_size * train.seq_len * 8, "positions": train.seq_len * 8}
 
 
 def in_flight_microbatches(layout: Layout, train: Training, stage: int) -> int:
@@ -312,12 +320,14 @@ def activations(model: ModelConfig, train: Training, layout: Layout, rank: int) 
     recomputes one block at a time in backward, so one block's activations come back at once; "selective" is the
     recipe's per-layer selective checkpointing: every second block checkpointed whole, the others keep everything.
     (Korthikanti's selective recomputation recomputes the s^2 attention scores only; flash attention never stores
-    them, so here it would save nothing.)
+    them, so here it would save nothing.) Under bf16 autocast a block that is not checkpointed also keeps the bf16
+    copies of its weights (`autocast_weight_copies`), once per micro-batch in flight.
     """
     c = layout.coordinates(rank)
     tp, stage = layout.tp, c["pp"]
     layers = len(stage_layers(model, layout.pp, stage))
-    one = sum(layer_activations(model, train, tp).values())
+    casts = autocast_weight_copies(model, train, layout, rank)
+    one = sum(layer_activations(model, train, tp).values()) + casts["block"]
     n = train.batch_size * train.seq_len
     kept_input = n * model.dim * _dtype_bytes(train.precision)["residual"] / tp
     if train.checkpointing == "none":
@@ -331,22 +341,23 @@ def activations(model: ModelConfig, train: Training, layout: Layout, rank: int) 
     if stage == 0:
         terms["embedding"] = sum(embedding_activations(train).values())
     if stage == layout.pp - 1:
-        terms["head"] = sum(head_activations(model, train, tp).values())
+        terms["head"] = sum(head_activations(model, train, tp).values()) + casts["head"]
     micro = in_flight_microbatches(layout, train, stage)
     per_micro = sum(terms.values())
     return {"per_microbatch": per_micro, "in_flight": micro, "kept": per_micro * micro, "recompute": recompute,
             "terms": terms}
 
 
-def autocast_weight_copies(model: ModelConfig, train: Training, layout: Layout, rank: int) -> float:
-    """bf16 copies of the matmul weights autocast caches for the forward and keeps for the backward (2 bytes each,
-    the rank's local tp shard whole: FSDP has gathered it)."""
+def autocast_weight_copies(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
+    """bf16 copies of the matmul weights that autocast makes in forward and autograd keeps for backward (2 bytes
+    each, the rank's tp shard whole: FSDP has gathered it): {"block": one block's, "head": the output
+    projection's on the last stage}. A checkpointed block keeps none: its recomputation casts again."""
     if train.precision != "bf16-autocast":
-        return 0.0
+        return {"block": 0.0, "head": 0.0}
     c = layout.coordinates(rank)
-    return sum(2 * math.prod(tp_local_shape(shape, tp_dim, layout.tp, c["tp"]))
-               for name, shape, tp_dim in stage_parameters(model, layout, c["pp"])
-               if len(shape) == 2 and "embeddings" not in name)
+    d, hidden, tp = model.dim, model.hidden, layout.tp
+    head = 2 * model.vocab_size * d / tp if c["pp"] == layout.pp - 1 else 0.0
+    return {"block": 2 * (4 * d * d + 2 * d * hidden) / tp, "head": head}
 
 
 def transient(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
@@ -368,9 +379,6 @@ def transient(model: ModelConfig, train: Training, layout: Layout, rank: int) ->
         out["DDP gradient buckets"] = model_state(model, train, layout, rank)["held"]["gradients"]
     if c["pp"] == layout.pp - 1:
         out["logits gradient"] = train.batch_size * train.seq_len * model.vocab_size * 4 / layout.tp
-    cast = autocast_weight_copies(model, train, layout, rank)
-    if cast:
-        out["autocast bf16 weights"] = cast
     return out
 
 
