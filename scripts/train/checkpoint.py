@@ -1,0 +1,170 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) with one commit protocol, and the export for inference.
+
+What a checkpoint holds: the model and optimizer (through get_state_dict: every rank writes its own pieces, named
+by the model's parameter names), the learning-rate schedule, the data loader's position, and the step. Nothing in
+it depends on the rank, the device or the layout, so it loads at another layout (DCP reshards on load). There is
+no random-number state in it: nothing in training draws random numbers except through generators seeded from
+(seed, step) or (seed, epoch), which a resumed run recomputes.
+
+The commit protocol: every rank saves into a staging directory `.step_N.partial`; once the save is complete
+(DCP's `.metadata`, written last by the coordinator, after every rank's data), rank 0 renames it to `step_N`
+(atomic within one file system), fsyncs the parent, and deletes all but the newest `keep`. A reader only ever
+loads a `step_N` with its `.metadata`: a crash during a save leaves a staging directory, never a half checkpoint
+under a committed name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+CONFIG_FILE = "config.json"
+
+
+class TrainState(Stateful):
+    """What a resumed run needs; DCP calls state_dict() when saving and load_state_dict() after loading. With a
+    pipeline, `model` is this rank's stage (its parameters keep the whole model's names)."""
+
+    def __init__(self, model, optimizer, scheduler, loader):
+        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)   # DTensor pieces where sharded
+        return {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
+                "loader": json.dumps(self.loader.state_dict()), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(json.loads(state["loader"]))
+        self.step = state["step"]
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def staging_dir(root: str | Path, step: int) -> Path:
+    """Where the save of `step` is written: a dot-directory that `latest` never picks."""
+    return Path(root) / f".step_{step:08d}.partial"
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest committed checkpoint under `root` (a `step_<8 digits>` directory with DCP's `.metadata`)."""
+    if not Path(root).is_dir():
+        return None
+    return max((p for p in Path(root).glob("step_" + "[0-9]" * 8) if (p / ".metadata").exists()), default=None)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(root: str | Path, step: int, keep: int, config: dict) -> Path:
+    """Publish a finished save (rank 0 only, after the save returned on it): write the run's configuration beside
+    the data, rename the staging directory to step_N, fsync the parent, delete all but the newest `keep`."""
+    staged, final = staging_dir(root, step), step_dir(root, step)
+    if not (staged / ".metadata").exists():
+        raise FileNotFoundError(f"the save of step {step} did not finish: {staged} has no .metadata")
+    (staged / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    if final.exists():            # the same step saved again (a rerun of a finished run): the new one wins
+        shutil.rmtree(final)
+    os.rename(staged, final)
+    _fsync_dir(Path(root))
+    for old in sorted(Path(root).glob("step_" + "[0-9]" * 8))[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+class Checkpointer:
+    """Saves (sync or async) and loads a TrainState under `root` with the commit protocol above."""
+
+    def __init__(self, root: str | Path, keep: int = 2, async_save: bool = False, config: dict | None = None):
+        self.root, self.keep, self.async_save, self.config = Path(root), keep, async_save, config or {}
+        self.pending = None           # (future, step) of an async save not yet committed
+        # async saves talk on a gloo group of their own, so they never queue behind the training's collectives
+        self.group = dist.new_group(backend="gloo") if async_save else None
+        if dist.get_rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for debris in self.root.glob(".step_*.partial"):    # saves that never finished
+                shutil.rmtree(debris)
+        dist.barrier()                # the debris is gone before any rank stages a save
+
+    def load_latest(self, state: TrainState) -> Path | None:
+        """Load the newest committed checkpoint into `state`; None (and `state` untouched) when there is none."""
+        path = latest(self.root)
+        if path is not None:
+            dcp.load({"train": state}, checkpoint_id=path)
+        return path
+
+    def save(self, state: TrainState) -> None:
+        """Save `state` at its step. Sync: written and committed when this returns. Async: the state is copied to
+        host memory before this returns, written in the background, committed at the next save or `wait()`."""
+        self.wait()
+        staged = staging_dir(self.root, state.step)
+        if self.async_save:
+            future = dcp.async_save({"train": state}, checkpoint_id=staged, process_group=self.group)
+            self.pending = (future, state.step)
+        else:
+            dcp.save({"train": state}, checkpoint_id=staged)
+            if dist.get_rank() == 0:
+                commit(self.root, state.step, self.keep, self.config)
+
+    def wait(self) -> None:
+        """Finish and commit an async save in flight (call before exiting)."""
+        if self.pending is not None:
+            future, step = self.pending
+            self.pending = None
+            future.result()
+            if dist.get_rank() == 0:
+                commit(self.root, step, self.keep, self.config)
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    """One torch.save file of the whole model (full tensors, on the CPU) for inference, from a committed checkpoint
+    written at any layout: one process, no process group; DCP assembles each parameter from the ranks' pieces.
+    Load it with `GPT(GPTConfig(**json.load(...)["model"])).load_state_dict(torch.load(out))`; the model's
+    configuration is saved in the same file under no key of the state dict: see `load_exported`."""
+    from model import GPT, GPTConfig
+
+    checkpoint = Path(checkpoint)
+    config = json.loads((checkpoint / CONFIG_FILE).read_text())
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**config["model"]))
+    model.to_empty(device="cpu")
+    state = model.state_dict()
+    dcp.load({"train": {"model": state}}, checkpoint_id=checkpoint)
+    torch.save({"config": config["model"], "model": state}, out)
+    return Path(out)
+
+
+def load_exported(path: str | Path, device: str | torch.device = "cpu"):
+    """The model an `export` file holds, ready for inference."""
+    from model import GPT, GPTConfig
+
+    saved = torch.load(path, map_location=device, weights_only=True)
+    model = GPT(GPTConfig(**saved["config"])).to(device)
+    model.load_state_dict(saved["model"])
+    return model.eval()
+
+
+def export_full_state_dict(model, out: str | Path) -> None:
+    """The in-process export, from a model sharded over the whole world (FSDP2, TP; not a pipeline stage): every
+    rank takes part in gathering each parameter, rank 0 alone receives it on the CPU and writes the file."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        torch.save({"config": vars(model.cfg) if hasattr(model, "cfg") else None, "model": state}, out)
