@@ -19,58 +19,15 @@ from torch import nn
 
 from scripts.train import plan as P
 
-# ------------------------------------------------------------------------------------------------ the model spec
-# The GPT of the cookbook as its spec describes it (vocabulary and position embeddings, pre-norm blocks of RMSNorm,
-# four bias-free attention projections, a GELU MLP, final norm, untied output), small enough for a test.
+# ------------------------------------------------------------------------------------------------ the model
+# The recipe's own GPT (scripts/train/model.py), built from the planner's configuration.
 
 
-class _Attention(nn.Module):
-    def __init__(self, dim, n_heads):
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+def recipe_gpt(cfg: P.ModelConfig):
+    from scripts.train.model import GPT, GPTConfig
 
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class _FeedForward(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.w1, self.w2 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
-class _Block(nn.Module):
-    def __init__(self, c: P.ModelConfig):
-        super().__init__()
-        self.attention_norm, self.ffn_norm = nn.RMSNorm(c.dim, 1e-5), nn.RMSNorm(c.dim, 1e-5)
-        self.attention, self.feed_forward = _Attention(c.dim, c.n_heads), _FeedForward(c.dim, c.hidden)
-
-    def forward(self, x):
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class SpecGPT(nn.Module):
-    def __init__(self, c: P.ModelConfig):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
-        self.pos_embeddings = nn.Embedding(c.max_seq_len, c.dim)
-        self.layers = nn.ModuleDict({str(i): _Block(c) for i in range(c.n_layers)})
-        self.norm = nn.RMSNorm(c.dim, 1e-5)
-        self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
-
-    def forward(self, tokens):
-        x = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1]))
-        for layer in self.layers.values():
-            x = layer(x)
-        return self.output(self.norm(x))
+    return GPT(GPTConfig(vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                         max_seq_len=cfg.max_seq_len, mlp_ratio=cfg.mlp_ratio))
 
 
 SMALL = P.ModelConfig(vocab_size=7, dim=4, n_layers=1, n_heads=2, max_seq_len=5, mlp_ratio=4)
@@ -81,12 +38,16 @@ SMALL = P.ModelConfig(vocab_size=7, dim=4, n_layers=1, n_heads=2, max_seq_len=5,
 @pytest.mark.parametrize("cfg", [SMALL, P.ModelConfig(), P.ModelConfig(vocab_size=32000, dim=4096, n_layers=32,
                                                                           n_heads=32, max_seq_len=4096)])
 def test_parameter_count_is_the_models(cfg):
-    built = P.count_parameters(lambda: SpecGPT(cfg))
+    built = P.count_parameters(lambda: recipe_gpt(cfg))
     assert P.parameter_count(cfg) == built
     v, d, s, L, h = cfg.vocab_size, cfg.dim, cfg.max_seq_len, cfg.n_layers, cfg.hidden
     assert built == v * d + s * d + L * (4 * d * d + 2 * d * h + 2 * d) + d + d * v   # the spec's formula
+    from scripts.train.model import GPTConfig
+
+    assert built == GPTConfig(vocab_size=v, dim=d, n_layers=L, n_heads=cfg.n_heads, max_seq_len=s,
+                              mlp_ratio=cfg.mlp_ratio).num_params()
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in SpecGPT(cfg).named_parameters()}
+        shapes = {n: tuple(p.shape) for n, p in recipe_gpt(cfg).named_parameters()}
     assert shapes == {n: s for n, s, _ in P.parameter_shapes(cfg)}, "the planner knows every parameter's shape"
 
 
@@ -138,6 +99,7 @@ def test_tensor_parallel_splits_the_projections_and_fsdp_splits_what_is_left():
     cfg = P.ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=64)
     train = P.Training(seq_len=64, batch_size=1)
     tp2 = P.model_state(cfg, train, P.Layout(tp=2), 0)["elements"]
+    # the norms stay whole; the embeddings, projections and output are halved
     replicated = sum(math.prod(s) for _, s, d in P.parameter_shapes(cfg) if d is None)
     assert tp2 == replicated + (P.parameter_count(cfg) - replicated) // 2
     fsdp_tp = [P.model_state(cfg, train, P.Layout(dp_shard=2, tp=2), r)["elements"] for r in range(4)]
@@ -188,13 +150,13 @@ def _saved_bytes(cfg, precision, checkpointing, batch, seq):
     from helpers.measure.activations import SavedActivations
 
     torch.manual_seed(0)
-    model = SpecGPT(cfg)
+    model = recipe_gpt(cfg)
     x, y = torch.randint(0, cfg.vocab_size, (batch, seq)), torch.randint(0, cfg.vocab_size, (batch, seq))
     layers = list(model.layers.values())
-    wrapped = {"none": set(), "full": set(range(len(layers))), "selective": set(range(0, len(layers), 2))}
+    wrapped = {"none": set(), "full": set(range(len(layers))), "alternate": set(range(0, len(layers), 2))}
     meter = SavedActivations()
     with meter, torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-autocast"):
-        h = model.tok_embeddings(x) + model.pos_embeddings(torch.arange(seq))
+        h = model.tok_embeddings(x) + model.pos_embeddings(torch.arange(seq).unsqueeze(0))
         for i, layer in enumerate(layers):
             h = checkpoint(layer, h, use_reentrant=False) if i in wrapped[checkpointing] else layer(h)
         loss = F.cross_entropy(model.output(model.norm(h)).flatten(0, 1).float(), y.flatten())
@@ -202,7 +164,7 @@ def _saved_bytes(cfg, precision, checkpointing, batch, seq):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "alternate"])
 def test_activation_formula_is_what_autograd_saves(precision, checkpointing):
     # On the CPU (composite RMSNorm), byte for byte: the blocks, the head, the embeddings' indices, and under
     # autocast the bf16 weight copies of the blocks not checkpointed and of the output projection; the only bytes
@@ -235,22 +197,28 @@ def test_communication_closed_forms():
     ddp = {r["kind"]: r for r in P.communication(cfg, train, P.Layout(dp_replicate=4))}
     assert ddp["all_reduce"]["buffer_bytes"] == 4 * psi and ddp["all_reduce"]["sent_bytes"] == 2 * 3 / 4 * 4 * psi
     fsdp = {r["kind"]: r for r in P.communication(cfg, train, P.Layout(dp_shard=4))}
-    root = sum(math.prod(s) for n, s, _ in P.parameter_shapes(cfg) if not n.startswith("layers."))
-    # three micro-batches, blocks gathered twice (forward, backward), the root once; one reduce-scatter per group
-    assert fsdp["all_gather"]["buffer_bytes"] == 3 * (2 * (psi - root) + root) * 4
-    assert fsdp["all_gather"]["calls"] == 3 * (2 * 2 + 1)
-    assert fsdp["reduce_scatter"]["buffer_bytes"] == 4 * psi and fsdp["reduce_scatter"]["calls"] == 3
+    # three micro-batches, every group (2 blocks, the root) gathered in forward and again in backward, and its
+    # gradients reduce-scattered once per micro-batch; the gradient norm's per-tensor norms all-reduced once
+    assert fsdp["all_gather"]["buffer_bytes"] == 3 * 2 * 4 * psi and fsdp["all_gather"]["calls"] == 3 * 2 * 3
+    assert fsdp["reduce_scatter"]["buffer_bytes"] == 3 * 4 * psi and fsdp["reduce_scatter"]["calls"] == 3 * 3
+    assert fsdp["all_reduce"]["buffer_bytes"] == 4 * len(P.parameter_shapes(cfg))
     bf16 = {r["kind"]: r for r in P.communication(cfg, P.replace(train, precision="bf16-fsdp"), P.Layout(dp_shard=4))}
     assert bf16["all_gather"]["buffer_bytes"] == fsdp["all_gather"]["buffer_bytes"] / 2, "gathered in bf16"
     assert bf16["reduce_scatter"]["buffer_bytes"] == fsdp["reduce_scatter"]["buffer_bytes"], "reduced in fp32"
-    pp = P.communication(cfg, train, P.Layout(pp=2), rank=0)
-    assert pp[0]["buffer_bytes"] == 3 * 2 * 64 * 64 * 4   # one hidden-state message per micro-batch forward
+    pp = {r["kind"]: r for r in P.communication(cfg, train, P.Layout(pp=2), rank=0)}
+    assert pp["send"]["buffer_bytes"] == 3 * 2 * 64 * 64 * 4   # one hidden-state message per micro-batch forward
+    tp = [r for r in P.communication(cfg, train, P.Layout(tp=2)) if r["group"] == "tp"]
+    tokens = 2 * 64
+    gathered = {r["kind"]: r["buffer_bytes"] for r in tp if r["kind"] != "all_reduce"}
+    # per micro-batch of fp32: 4 gathers in each of the 2 blocks, the token embedding's gradient and the output's
+    # input (all tokens x dim), the position embedding's gradient (one sequence x dim); as many reduce-scatters
+    assert gathered["all_gather"] == gathered["reduce_scatter"] == 3 * 4 * ((2 * 4 + 2) * tokens * 64 + 64 * 64)
 
 
 # --------------------------------------------------------------------------------------- layouts and commands
 
 def test_fitting_layouts_for_seven_billion_on_eight_80gb_gpus():
-    cfg = P.ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, max_seq_len=4096)
+    cfg = P.ModelConfig(vocab_size=256, dim=4096, n_layers=32, n_heads=32, max_seq_len=4096)
     plans = P.fitting_layouts(cfg, 8, 80e9, P.DATASHEETS["H100-SXM-80GB"], seq_len=4096, global_batch=64)
     assert plans, "a 7B model trains on 8 x 80 GB"
     assert all(p.peak <= 0.9 * 80e9 and p.layout.world == 8 for p in plans)
@@ -261,13 +229,17 @@ def test_fitting_layouts_for_seven_billion_on_eight_80gb_gpus():
     assert all(p.layout.dp_shard > 1 or p.layout.tp * p.layout.pp > 1 for p in plans)
     cmd = plans[0].command()
     assert cmd.startswith("torchrun --standalone --nproc-per-node=8 scripts/train/train.py")
-    assert f"--tp {plans[0].layout.tp}" in cmd and "--n-layers 32" in cmd
+    assert f"--tp {plans[0].layout.tp}" in cmd and "--n-layers 32" in cmd and "--batch 64" in cmd
 
 
 def test_bad_layouts_are_refused():
     cfg = P.ModelConfig(n_heads=12, n_layers=12)
     with pytest.raises(ValueError, match="tp=8"):
         P.plan(cfg, P.Training(), P.Layout(tp=8))
+    with pytest.raises(ValueError, match="bf16-fsdp needs FSDP2"):
+        P.plan(cfg, P.Training(precision="bf16-fsdp"), P.Layout(dp_replicate=2))
+    with pytest.raises(ValueError, match="vocabulary"):
+        P.torchrun_command(P.ModelConfig(vocab_size=32000), P.Training(), P.Layout())
     with pytest.raises(ValueError, match="pp=5"):
         P.plan(cfg, P.Training(grad_accum=5), P.Layout(pp=5))
     with pytest.raises(ValueError, match="micro-batches"):
@@ -278,52 +250,53 @@ def test_bad_layouts_are_refused():
 
 # --------------------------------------------------------------------------------- real FSDP2 and DDP, 2 ranks
 
-def _model_state_worker(cfg, steps, planner_train):
+def _model_state_worker(cfg, warmup, train):
+    """The recipe's model under the recipe's apply_fsdp and apply_ddp, trained as train.py trains it (FSDP2
+    reduces every micro-batch, DDP once per step), gradients clipped by the recipe's clip_grad_norm_: the bytes of
+    each rank's model state before the gradients are freed, and the collectives of one step."""
+    import contextlib
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
 
     from helpers.measure.comm_log import CollectiveLog
     from helpers.measure.memory import allocated_state_bytes, model_state_bytes
+    from scripts.train import parallelize as par
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
     try:
         world, out = dist.get_world_size(), {}
-        x = torch.randint(0, cfg.vocab_size, (planner_train.batch_size, planner_train.seq_len))
+        x = torch.randint(0, cfg.vocab_size, (train.batch_size, train.seq_len))
         for name in ("fsdp", "ddp"):
             torch.manual_seed(0)
-            model = SpecGPT(cfg)
+            model = recipe_gpt(cfg)
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
             if name == "fsdp":
-                mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-                for block in model.layers.values():
-                    fully_shard(block, mesh=mesh)
-                model = fully_shard(model, mesh=mesh)
+                par.apply_fsdp(model, mesh)
+                trained = model
             else:
-                model = DistributedDataParallel(model)
+                trained = par.apply_ddp(model, mesh, torch.device("cpu"))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
             def step():
-                for i in range(planner_train.grad_accum):
-                    last = i == planner_train.grad_accum - 1
-                    if name == "fsdp":
-                        model.set_requires_gradient_sync(last)
-                        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
-                    else:
-                        with model.no_sync() if not last else __import__("contextlib").nullcontext():
-                            F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+                for i in range(train.grad_accum):
+                    sync = name == "fsdp" or i == train.grad_accum - 1
+                    with contextlib.nullcontext() if sync else trained.no_sync():
+                        F.cross_entropy(trained(x).flatten(0, 1), x.flatten()).backward()
+                par.clip_grad_norm_(model.parameters(), 1.0)
+                state = {"held": model_state_bytes(model, opt), "allocated": allocated_state_bytes(model, opt)}
                 opt.step()
-                opt.zero_grad(set_to_none=False)
+                opt.zero_grad(set_to_none=True)
+                return state
 
-            for _ in range(steps):   # DDP rebuilds its buckets after the first step
+            for _ in range(warmup):   # DDP rebuilds its buckets after the first step; AdamW makes its state
                 step()
             log = CollectiveLog()
             with log:
-                step()
-            out[name] = {"held": model_state_bytes(model, opt), "allocated": allocated_state_bytes(model, opt),
-                         "log": log.summary()}
-            del model, opt
+                state = step()
+            out[name] = {**state, "log": log.summary()}
+            del model, trained, opt
         return out
     finally:
         import gc
@@ -345,11 +318,11 @@ def test_model_state_and_collectives_match_fsdp2_and_ddp_on_two_ranks():
         ddp = P.model_state(cfg, train, P.Layout(dp_replicate=2), rank)
         assert r["ddp"]["held"] == ddp["held"]
         for name, layout in (("fsdp", P.Layout(dp_shard=2)), ("ddp", P.Layout(dp_replicate=2))):
-            planned = {c["kind"]: c for c in P.communication(cfg, train, layout, rank)}
-            logged = r[name]["log"]
-            assert set(logged) == set(planned), f"{name}: {sorted(logged)} against {sorted(planned)}"
-            for kind, c in planned.items():
-                assert logged[kind]["bytes"] == c["buffer_bytes"], f"{name} {kind}: bytes per step"
-                if name == "fsdp":
-                    assert logged[kind]["calls"] == c["calls"], f"{name} {kind}: calls per step"
+            planned = {}
+            for c in P.communication(cfg, train, layout, rank):
+                entry = planned.setdefault(c["kind"], {"calls": 0, "bytes": 0})
+                entry["calls"] += c["calls"]
+                entry["bytes"] += c["buffer_bytes"]
+            logged = {kind: {"calls": v["calls"], "bytes": v["bytes"]} for kind, v in r[name]["log"].items()}
+            assert logged == planned, f"{name}, rank {rank}: collectives of one step (calls and bytes per kind)"
     assert results[0]["fsdp"]["held"] != results[1]["fsdp"]["held"], "7 and 5 rows split unevenly"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-fsdp")
 OPTIMIZERS = {"adamw": 2, "sgd": 1}   # fp32 state tensors per parameter: Adam's two moments; SGD's momentum buffer
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "full", "alternate")   # the recipe's --ac
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")   # the recipe's mesh order, slowest first
 GB = 1e9
 
@@ -67,6 +67,15 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        """The recipe applies FSDP2 when it shards, and for replicas beside tp or pp (HSDP with one shard)."""
+        return self.dp_shard > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
+
+    @property
+    def ddp(self) -> bool:
+        return self.dp_replicate > 1 and not self.fsdp
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """{mesh dim: this rank's index on it}, tp varying fastest (init_device_mesh's row-major order)."""
@@ -137,11 +146,11 @@ MEMORY_PRESETS_GB = (24, 40, 80, 141)
 def parameter_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(name, shape, tensor-parallel shard dim or None) of every parameter, in the model's order.
 
-    The tp dims are the recipe's plan (torchtitan's): embeddings row-wise (vocab rows split), wq/wk/wv/w1 and the
-    output column-wise (their weight's dim 0), wo/w2 row-wise (dim 1), norms and positions replicated.
+    The tp dims are the recipe's plan (parallelize.apply_tp): both embeddings row-wise (their rows split),
+    wq/wk/wv/w1 and the output column-wise (their weight's dim 0), wo/w2 row-wise (dim 1), norms replicated.
     """
     d, h, v = model.dim, model.hidden, model.vocab_size
-    shapes = [("tok_embeddings.weight", (v, d), 0), ("pos_embeddings.weight", (model.max_seq_len, d), None)]
+    shapes = [("tok_embeddings.weight", (v, d), 0), ("pos_embeddings.weight", (model.max_seq_len, d), 0)]
     for i in range(model.n_layers):
         p = f"layers.{i}."
         shapes += [(p + "attention_norm.weight", (d,), None),
@@ -209,6 +218,16 @@ def fsdp_groups(names: list[str]) -> dict[str, list[str]]:
     return dict(sorted(groups.items(), key=lambda kv: kv[0] == "root"))
 
 
+def recipe_precision(dtype: str, layout: Layout) -> str:
+    """The precision policy the recipe's --dtype gives at a layout: bf16 is FSDP2's policy (bf16 parameters for
+    compute, fp32 reduction) where FSDP2 is applied, autocast elsewhere."""
+    if dtype == "fp32":
+        return "fp32"
+    if dtype != "bf16":
+        raise ValueError(f"dtype must be fp32 or bf16, not {dtype!r}")
+    return "bf16-fsdp" if layout.fsdp else "bf16-autocast"
+
+
 def _dtype_bytes(precision: str) -> dict[str, int]:
     """Bytes per element of: the stored (master) parameters, their gradients, the compute copy FSDP2 gathers, the
     activations of the residual stream and of the matmul inputs, the gradient reduction."""
@@ -230,7 +249,7 @@ def model_state(model: ModelConfig, train: Training, layout: Layout, rank: int) 
     """
     c = layout.coordinates(rank)
     b = _dtype_bytes(train.precision)
-    shard = layout.dp_shard
+    shard = layout.dp_shard if layout.fsdp else 1
     held = padded = 0
     for _, shape, tp_dim in stage_parameters(model, layout, c["pp"]):
         local = tp_local_shape(shape, tp_dim, layout.tp, c["tp"])
@@ -305,44 +324,69 @@ def embedding_activations(train: Training) -> dict[str, float]:
     return {"token ids": train.batch_size * train.seq_len * 8, "positions": train.seq_len * 8}
 
 
-def in_flight_microbatches(layout: Layout, train: Training, stage: int) -> int:
+def in_flight_microbatches(layout: Layout, train: Training, stage: int, schedule: str = "1f1b") -> int:
     """Micro-batches whose activations a stage holds at once: one without pipelining; under 1F1B stage s holds at
-    most pp - s (the first stage pp), never more than the step has."""
+    most pp - s (the first stage pp), under GPipe all of the step's."""
     if layout.pp == 1:
         return 1
+    if schedule == "gpipe":
+        return train.grad_accum
     return min(layout.pp - stage, train.grad_accum)
 
 
-def activations(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict:
+def selective_block(model: ModelConfig, train: Training, tp: int) -> dict[str, float]:
+    """What the recipe's per-op selective checkpointing keeps of one block: its input, and the outputs of the
+    matmuls and of attention (its policy's MUST_SAVE ops); norms, GELU and adds are recomputed, and so are
+    autocast's casts. Row-wise projections (wo, w2) output a partial sum over the whole sequence before their
+    reduce-scatter, so under tp their outputs do not shrink."""
+    b = _dtype_bytes(train.precision)
+    n = train.batch_size * train.seq_len
+    d, hidden = model.dim, model.hidden
+    return {
+        "block input": n * d * b["residual"] / tp,
+        "q, k, v (wq, wk, wv outputs)": 3 * n * d * b["matmul"] / tp,
+        "attention output and log-sum-exp": n * d * b["matmul"] / tp + n * model.n_heads * 4 / tp,
+        "wo and w2 outputs (partial sums)": 2 * n * d * b["matmul"],
+        "w1 output": n * hidden * b["matmul"] / tp,
+    }
+
+
+def activations(model: ModelConfig, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
     """Activation bytes a rank keeps at its peak (the end of a forward, before the backward frees them), by term.
 
-    Checkpointing: "full" keeps each block's input only (the residual stream, sequence-split under tp) and
-    recomputes one block at a time in backward, so one block's activations come back at once; "selective" is the
-    recipe's per-layer selective checkpointing: every second block checkpointed whole, the others keep everything.
-    (Korthikanti's selective recomputation recomputes the s^2 attention scores only; flash attention never stores
-    them, so here it would save nothing.) Under bf16 autocast a block that is not checkpointed also keeps the bf16
-    copies of its weights (`autocast_weight_copies`), once per micro-batch in flight.
+    Checkpointing, as the recipe's --ac: "full" keeps each block's input only (the residual stream,
+    sequence-split under tp) and recomputes one block at a time in backward, so one block's activations come back
+    at once; "selective" keeps what `selective_block` lists; "alternate" checkpoints every other block whole
+    (blocks 0, 2, 4, ...) and keeps everything of the others. (Korthikanti's selective recomputation recomputes
+    the s^2 attention scores only; flash attention never stores them, so here it would save nothing.) Under bf16
+    autocast a block that is not checkpointed also keeps the bf16 copies of its weights (`autocast_weight_copies`),
+    once per micro-batch in flight.
     """
     c = layout.coordinates(rank)
     tp, stage = layout.tp, c["pp"]
-    layers = len(stage_layers(model, layout.pp, stage))
+    blocks_here = list(stage_layers(model, layout.pp, stage))
     casts = autocast_weight_copies(model, train, layout, rank)
     one = sum(layer_activations(model, train, tp).values()) + casts["block"]
     n = train.batch_size * train.seq_len
     kept_input = n * model.dim * _dtype_bytes(train.precision)["residual"] / tp
-    if train.checkpointing == "none":
-        blocks, recompute = layers * one, 0.0
-    elif train.checkpointing == "full":
-        blocks, recompute = layers * kept_input, one if layers else 0.0
+    ac = train.checkpointing
+    if ac == "none":
+        blocks, recompute = len(blocks_here) * one, 0.0
+    elif ac == "full":
+        blocks, recompute = len(blocks_here) * kept_input, one if blocks_here else 0.0
+    elif ac == "selective":
+        blocks, recompute = len(blocks_here) * sum(selective_block(model, train, tp).values()), \
+            (one - sum(selective_block(model, train, tp).values()) + kept_input) if blocks_here else 0.0
     else:
-        checkpointed = layers // 2
-        blocks, recompute = checkpointed * kept_input + (layers - checkpointed) * one, one if checkpointed else 0.0
+        checkpointed = sum(1 for i in blocks_here if i % 2 == 0)
+        blocks = checkpointed * kept_input + (len(blocks_here) - checkpointed) * one
+        recompute = one if checkpointed else 0.0
     terms = {"blocks": blocks}
     if stage == 0:
         terms["embedding"] = sum(embedding_activations(train).values())
     if stage == layout.pp - 1:
         terms["head"] = sum(head_activations(model, train, tp).values()) + casts["head"]
-    micro = in_flight_microbatches(layout, train, stage)
+    micro = in_flight_microbatches(layout, train, stage, schedule)
     per_micro = sum(terms.values())
     return {"per_microbatch": per_micro, "in_flight": micro, "kept": per_micro * micro, "recompute": recompute,
             "terms": terms}
@@ -350,8 +394,9 @@ def activations(model: ModelConfig, train: Training, layout: Layout, rank: int) 
 
 def autocast_weight_copies(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
     """bf16 copies of the matmul weights that autocast makes in forward and autograd keeps for backward (2 bytes
-    each, the rank's tp shard whole: FSDP has gathered it): {"block": one block's, "head": the output
-    projection's on the last stage}. A checkpointed block keeps none: its recomputation casts again."""
+    each, the rank's tp shard): {"block": one block's, "head": the output projection's on the last stage}. A
+    checkpointed block keeps none: its recomputation casts again. (The recipe autocasts only where FSDP2 is not
+    applied, so these are whole local weights.)"""
     if train.precision != "bf16-autocast":
         return {"block": 0.0, "head": 0.0}
     c = layout.coordinates(rank)
@@ -360,22 +405,36 @@ def autocast_weight_copies(model: ModelConfig, train: Training, layout: Layout, 
     return {"block": 2 * (4 * d * d + 2 * d * hidden) / tp, "head": head}
 
 
+def _group_elements(model: ModelConfig, layout: Layout, rank: int) -> dict[str, int]:
+    """{FSDP group: elements of one rank's padded shard} on `rank`'s stage (the all-gather output is dp_shard x
+    this; the reduce-scatter input too)."""
+    c = layout.coordinates(rank)
+    params = stage_parameters(model, layout, c["pp"])
+    shard = layout.dp_shard
+    out = {}
+    for group, names in fsdp_groups([n for n, _, _ in params]).items():
+        shapes = [tp_local_shape(s, d, layout.tp, c["tp"]) for n, s, d in params if n in names]
+        out[group] = sum(-(-s[0] // shard) * math.prod(s[1:]) for s in shapes)
+    return out
+
+
 def transient(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
     """Buffers alive beside the model state and the activations at the peak: FSDP2's all-gathered compute copy of
-    the current and the prefetched block, and the root's (never resharded after forward); DDP's gradient buckets
-    (a copy of every gradient); the gradient of the logits."""
+    the current and the prefetched group, the whole stage's under pipelining (the recipe keeps a stage's
+    parameters gathered through its micro-batches) with its unsharded fp32 gradients; DDP's gradient buckets (a
+    copy of every gradient); the gradient of the fp32 logits."""
     c = layout.coordinates(rank)
     b = _dtype_bytes(train.precision)
     out = {}
-    params = stage_parameters(model, layout, c["pp"])
-    if layout.dp_shard > 1:
-        sizes = {}
-        for group, names in fsdp_groups([n for n, _, _ in params]).items():
-            shapes = [tp_local_shape(s, d, layout.tp, c["tp"]) for n, s, d in params if n in names]
-            sizes[group] = sum(-(-s[0] // layout.dp_shard) * layout.dp_shard * math.prod(s[1:]) for s in shapes)
-        blocks = sorted((v for k, v in sizes.items() if k != "root"), reverse=True)
-        out["FSDP gathered parameters"] = (sum(blocks[:2]) + sizes.get("root", 0)) * b["gathered"]
-    elif layout.dp_replicate > 1:
+    if layout.fsdp:
+        sizes = {g: e * layout.dp_shard for g, e in _group_elements(model, layout, rank).items()}
+        if layout.pp > 1:
+            out["FSDP gathered parameters (whole stage)"] = sum(sizes.values()) * b["gathered"]
+            out["FSDP unsharded gradients (whole stage)"] = sum(sizes.values()) * b["reduce"]
+        else:
+            groups = sorted(sizes.values(), reverse=True)
+            out["FSDP gathered parameters (two groups)"] = sum(groups[:2]) * b["gathered"]
+    elif layout.ddp:
         out["DDP gradient buckets"] = model_state(model, train, layout, rank)["held"]["gradients"]
     if c["pp"] == layout.pp - 1:
         out["logits gradient"] = train.batch_size * train.seq_len * model.vocab_size * 4 / layout.tp
@@ -389,63 +448,87 @@ def _ring_factor(kind: str, n: int) -> float:
     if n <= 1:
         return 0.0
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "send_recv": 1.0}[kind]
+            "send": 1.0}[kind]
 
 
 def communication(model: ModelConfig, train: Training, layout: Layout, rank: int = 0) -> list[dict]:
-    """The collectives `rank` takes part in during one step, one record per (what, kind, group):
+    """The collectives `rank` takes part in during one step of the recipe, one record per (what, kind, group):
     calls, buffer bytes (the collective's logical buffer summed over calls: an all-gather's output, a
     reduce-scatter's input, an all-reduce's tensor, a point-to-point message) and bytes this rank sends on a ring.
 
-    FSDP2: per micro-batch, each block's parameters are all-gathered in forward and again in backward (resharded
-    after forward), the root's once (FSDP2 keeps the root gathered from forward to backward); the gradients are
-    reduce-scattered once per step (set_requires_gradient_sync(False) on the other micro-batches), and across
-    dp_replicate (HSDP) the reduced shards are all-reduced. DDP all-reduces every gradient once per step. Tensor
-    parallelism with sequence parallelism: per block and micro-batch, forward all-gathers the normed input before
-    attention and before the MLP and reduce-scatters both outputs; backward does the reverse (the same bytes). The
-    pipeline sends each micro-batch's hidden states forward and their gradients back across each stage boundary.
+    FSDP2 (the recipe shards with reshard_after_forward=True and reduces every micro-batch): per micro-batch and
+    group (each block, the root), one all-gather in forward and one in backward, one reduce-scatter, and across
+    dp_replicate (HSDP) one all-reduce of the reduced shard. Under pipelining a stage's parameters stay gathered
+    and its gradients unreduced through the step: one all-gather and one reduction per group per step. DDP
+    all-reduces every gradient once per step (no_sync on the other micro-batches). Tensor parallelism with
+    sequence parallelism, per micro-batch: each block all-gathers the normed input before attention and before the
+    MLP and reduce-scatters both outputs, and backward does the reverse; the embeddings reduce-scatter their
+    lookups (positions: one sequence, broadcast over the batch) and gather the gradients back; the output
+    projection gathers its input and reduce-scatters its gradient; the parallel loss all-reduces three fp32 values
+    per token (max, sum of exponentials, target logit). Clipping all-reduces the per-tensor norms of DTensor
+    gradients over each sharded mesh dimension, or a stage's squared norm over the pipeline. The pipeline sends
+    each micro-batch's hidden states forward and their gradients back across each stage boundary.
+    Not planned: under tp the norm weights' gradients stay partial sums and are all-reduced (dim elements each)
+    wherever they are read; notebook 10 counts them.
     """
     c = layout.coordinates(rank)
     b = _dtype_bytes(train.precision)
     micro = train.grad_accum
-    params = stage_parameters(model, layout, c["pp"])
+    stage = c["pp"]
+    params = stage_parameters(model, layout, stage)
     records = []
 
-    def add(what, kind, group, size, calls, nbytes):
+    def add(what, kind, group, size, calls, nbytes, dtype_bytes):
         if size > 1 and calls:
             records.append({"what": what, "kind": kind, "group": group, "group_size": size, "calls": calls,
-                            "buffer_bytes": nbytes, "sent_bytes": nbytes * _ring_factor(kind, size)})
+                            "buffer_bytes": nbytes, "dtype_bytes": dtype_bytes,
+                            "sent_bytes": nbytes * _ring_factor(kind, size)})
 
-    groups = fsdp_groups([n for n, _, _ in params])
-    padded = {}
-    for group, names in groups.items():
-        shapes = [tp_local_shape(s, d, layout.tp, c["tp"]) for n, s, d in params if n in names]
-        padded[group] = sum(-(-s[0] // layout.dp_shard) * math.prod(s[1:]) for s in shapes)   # one rank's shard
-    if layout.dp_shard > 1:
-        s = layout.dp_shard
-        blocks = [g for g in groups if g != "root"]
-        gathers = micro * (2 * len(blocks) + ("root" in groups))
-        gathered = micro * (2 * sum(padded[g] for g in blocks) + padded.get("root", 0)) * s * b["gathered"]
-        add("FSDP parameters", "all_gather", "dp_shard", s, gathers, gathered)
-        add("FSDP gradients", "reduce_scatter", "dp_shard", s, len(groups), sum(padded.values()) * s * b["reduce"])
-        add("HSDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate, len(groups),
-            sum(padded.values()) * b["reduce"])
-    elif layout.dp_replicate > 1:
+    if layout.fsdp:
+        shard, groups = layout.dp_shard, _group_elements(model, layout, rank)
+        gathers, reduces = (1, 1) if layout.pp > 1 else (2 * micro, micro)
+        add("FSDP parameters", "all_gather", "dp_shard", shard, gathers * len(groups),
+            gathers * sum(groups.values()) * shard * b["gathered"], b["gathered"])
+        add("FSDP gradients", "reduce_scatter", "dp_shard", shard, reduces * len(groups),
+            reduces * sum(groups.values()) * shard * b["reduce"], b["reduce"])
+        add("HSDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate, reduces * len(groups),
+            reduces * sum(groups.values()) * b["reduce"], b["reduce"])
+    elif layout.ddp:
         add("DDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate, 1,
-            model_state(model, train, layout, rank)["held"]["gradients"])
+            model_state(model, train, layout, rank)["held"]["gradients"], 4)
+    n, s, d = train.batch_size * train.seq_len, train.seq_len, model.dim
+    first, last = stage == 0, stage == layout.pp - 1
     if layout.tp > 1:
-        n = train.batch_size * train.seq_len
-        layers = len(stage_layers(model, layout.pp, c["pp"]))
-        act = n * model.dim * b["residual"]
-        add("TP sequence-parallel inputs", "all_gather", "tp", layout.tp, micro * layers * 2 * 2,
-            micro * layers * 2 * 2 * act)
-        add("TP sequence-parallel outputs", "reduce_scatter", "tp", layout.tp, micro * layers * 2 * 2,
-            micro * layers * 2 * 2 * act)
+        t, blocks = layout.tp, len(stage_layers(model, layout.pp, stage))
+        res, mat = b["residual"], b["matmul"]
+        # (elements, dtype bytes) per micro-batch, forward and backward together
+        gathers = [(n * d, res)] * (2 * blocks) + [(n * d, mat)] * (2 * blocks)
+        scatters = [(n * d, mat)] * (2 * blocks) + [(n * d, res)] * (2 * blocks)
+        if first:
+            scatters += [(n * d, res), (s * d, res)]
+            gathers += [(n * d, res), (s * d, res)]
+        if last:
+            gathers.append((n * d, res))
+            scatters.append((n * d, res))
+        by_width: dict = {}
+        for kind, items in (("all_gather", gathers), ("reduce_scatter", scatters)):
+            for elements, width in items:
+                key = (kind, width)
+                by_width[key] = (by_width.get(key, (0, 0))[0] + 1, by_width.get(key, (0, 0))[1] + elements * width)
+        for (kind, width), (calls, nbytes) in sorted(by_width.items()):
+            add(f"TP sequence parallel ({width}-byte elements)", kind, "tp", t, micro * calls, micro * nbytes, width)
+        if last:
+            add("TP parallel loss", "all_reduce", "tp", t, 3 * micro, 3 * micro * n * 4, 4)
+    sharded_dims = [(g, size) for g, size in (("dp_shard", layout.dp_shard if layout.fsdp else 1), ("tp", layout.tp))
+                    if size > 1]
+    for group, size in sharded_dims:
+        add("gradient norm (per-tensor norms)", "all_reduce", group, size, 1, len(params) * 4, 4)
     if layout.pp > 1:
-        n = train.batch_size * train.seq_len
-        msg = n * model.dim * b["residual"] / layout.tp
-        sends = (c["pp"] < layout.pp - 1) + (c["pp"] > 0)
-        add("pipeline activations and gradients", "send_recv", "pp", layout.pp, micro * sends, micro * sends * msg)
+        add("gradient norm (stages' squared norms)", "all_reduce", "pp", layout.pp, 1, 4, 4)
+        msg = n * d * b["residual"] / layout.tp
+        sends = (stage < layout.pp - 1) + (stage > 0)
+        add("pipeline hidden states and their gradients", "send", "pp", layout.pp, micro * sends,
+            micro * sends * msg, b["residual"])
     return records
 
 
@@ -454,18 +537,20 @@ def communication(model: ModelConfig, train: Training, layout: Layout, rank: int
 def flops_per_step(model: ModelConfig, train: Training, layout: Layout, rank: int = 0) -> float:
     """Matmul FLOPs of one step on `rank`: 6 per token per weight of its stage's matmuls (2 forward, 4 backward),
     plus causal attention's 6 * s * D per token per layer (QK^T and AV, half the square each way), split by tp;
-    checkpointing adds a forward of what it recomputes (full: every block; selective: every second block)."""
+    checkpointing adds a forward of what it recomputes (full: every block; alternate: every other block;
+    selective: no matmul)."""
     c = layout.coordinates(rank)
     params = stage_parameters(model, layout, c["pp"])
     matmul_weights = sum(math.prod(s) for n, s, _ in params if len(s) == 2 and "embeddings" not in n)
     block_weights = sum(math.prod(s) for n, s, _ in params if n.startswith("layers.") and len(s) == 2)
-    layers = len(stage_layers(model, layout.pp, c["pp"]))
+    blocks_here = list(stage_layers(model, layout.pp, c["pp"]))
     tokens = train.batch_size * train.seq_len * train.grad_accum
-    attention = 2 * train.seq_len * model.dim * layers        # forward FLOPs per token, causal
+    attention = 2 * train.seq_len * model.dim * len(blocks_here)        # forward FLOPs per token, causal
     forward = 2 * matmul_weights + attention
-    recomputed = {"none": 0.0, "full": 1.0, "selective": (layers // 2) / layers if layers else 0.0}
+    share = {"none": 0.0, "selective": 0.0, "full": 1.0,
+             "alternate": sum(1 for i in blocks_here if i % 2 == 0) / max(1, len(blocks_here))}
     blocks_forward = 2 * block_weights + attention
-    return tokens * (3 * forward + recomputed[train.checkpointing] * blocks_forward) / layout.tp
+    return tokens * (3 * forward + share[train.checkpointing] * blocks_forward) / layout.tp
 
 
 def step_time(model: ModelConfig, train: Training, layout: Layout, ceilings: Ceilings, rank: int = 0) -> dict:
@@ -473,34 +558,48 @@ def step_time(model: ModelConfig, train: Training, layout: Layout, ceilings: Cei
 
     Assumptions (shown with every plan): matmuls run at the measured matmul rate of the compute dtype; memory-bound
     work (the optimizer's pass over its states and the elementwise ops around the matmuls, counted as reading and
-    writing each kept activation twice) at the copy rate; FSDP2's and DDP's collectives overlap with the compute of
-    the other blocks except the first all-gather and the last reduction of a step (FSDP2 prefetches one block
-    ahead; DDP reduces buckets while backward runs); tensor-parallel collectives sit on the critical path (no
-    async TP); the pipeline idles (pp - 1) / (m + pp - 1) of the step (1F1B's bubble, m micro-batches); a group
-    that spans nodes runs at the inter-node bus bandwidth.
+    writing each activation twice, and again for what checkpointing recomputes) at the copy rate; FSDP2's and DDP's collectives overlap with the compute of
+    the other blocks except one call's worth per step (FSDP2 prefetches one block ahead; DDP reduces buckets while
+    backward runs); tensor-parallel and loss collectives sit on the critical path (no async TP); the pipeline
+    idles (pp - 1) / (m + pp - 1) of the step (1F1B's bubble, m micro-batches); a group that spans nodes runs at
+    the inter-node bus bandwidth; each call also pays the latency.
     """
     compute_dtype = "fp32" if train.precision == "fp32" else "bf16"
     compute = flops_per_step(model, train, layout, rank) / ceilings.matmul[compute_dtype]
     state = model_state(model, train, layout, rank)["held"]
-    act = activations(model, train, layout, rank)
-    memory = (2 * sum(state.values()) + 4 * act["per_microbatch"] * train.grad_accum) / ceilings.copy
+    everything = activations(model, replace(train, checkpointing="none"), layout, rank)["per_microbatch"]
+    kept = activations(model, train, layout, rank)["per_microbatch"]
+    recomputed = {"none": 0.0, "full": 1.0, "alternate": 0.5, "selective": 1 - kept / everything}[train.checkpointing]
+    memory = (2 * sum(state.values()) + 4 * everything * (1 + recomputed) * train.grad_accum) / ceilings.copy
     overlapped = exposed = 0.0
+    stride = {"tp": 1, "dp_shard": layout.tp, "dp_replicate": layout.tp * layout.dp_shard,
+              "pp": layout.tp * layout.dp}
     for r in communication(model, train, layout, rank):
-        span = r["group_size"] * {"tp": 1, "dp_shard": layout.tp, "dp_replicate": layout.tp * layout.dp_shard,
-                                  "pp": layout.tp * layout.dp}[r["group"]]
+        span = (r["group_size"] - 1) * stride[r["group"]] + 1      # ranks between the group's first and last
         bw = ceilings.busbw["intra" if span <= ceilings.gpus_per_node else "inter"]
         seconds = r["sent_bytes"] / bw + r["calls"] * ceilings.latency
-        if r["group"] in ("tp", "pp"):
-            exposed += seconds
-        else:
+        if r["group"] in ("dp_shard", "dp_replicate") and r["what"].startswith(("FSDP", "HSDP", "DDP")):
             first_last = seconds / max(1, r["calls"])   # one call's worth is not hidden
             exposed += first_last
             overlapped += seconds - first_last
+        else:
+            exposed += seconds
     busy = max(compute + memory, overlapped) + exposed
     bubble = (layout.pp - 1) / (train.grad_accum + layout.pp - 1) if layout.pp > 1 else 0.0
     total = busy / (1 - bubble)
     return {"seconds": total, "compute": compute, "memory": memory, "comm_overlapped": overlapped,
             "comm_exposed": exposed, "bubble": bubble, "ceilings": ceilings.source}
+
+
+ASSUMPTIONS = (
+    "model state: fp32 master weights and gradients, AdamW's two fp32 moments (SGD: one); FSDP2 pads dim 0",
+    "activations: eager PyTorch (torch.compile keeps fewer), flash/efficient attention (no s x s scores), "
+    "1F1B keeps pp - s micro-batches on stage s",
+    "peak: model state + kept activations + one recomputed block + gathered parameters, buckets and the logits' "
+    "gradient; allocator cache, fragmentation, CUDA context and NCCL buffers not counted (keep headroom)",
+    "time: matmuls at the measured rate; elementwise work at the copy rate; FSDP/DDP traffic hidden behind compute "
+    "but one call per step; TP, loss and pipeline traffic exposed; 1F1B bubble (pp-1)/(m+pp-1)",
+)
 
 
 # ------------------------------------------------------------------------------------------------------- plans
@@ -524,26 +623,30 @@ class Plan:
 
 
 def check_layout(model: ModelConfig, train: Training, layout: Layout) -> None:
-    """Raise ValueError for a layout the recipe refuses: heads, width or hidden not divisible by tp, layers by pp,
-    fewer micro-batches than stages."""
+    """Raise ValueError for a layout the recipe refuses (parallelize.check_layout and train.parse_args): tp must
+    divide the heads, the vocabulary and the sequence; pp the layers; 1F1B needs as many micro-batches as stages;
+    the recipe's model is as long as its sequences."""
     if min(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp) < 1:
         raise ValueError(f"every mesh dimension needs at least 1 rank: {layout}")
-    if model.n_heads % layout.tp or model.dim % layout.tp or model.hidden % layout.tp:
-        raise ValueError(f"tp={layout.tp} must divide the heads ({model.n_heads}), the width ({model.dim}) and the "
-                         f"MLP's hidden size ({model.hidden})")
+    if model.dim % model.n_heads:
+        raise ValueError(f"the width ({model.dim}) must divide into {model.n_heads} heads")
+    for what, n in (("attention heads", model.n_heads), ("vocabulary", model.vocab_size),
+                    ("sequence length", train.seq_len)):
+        if n % layout.tp:
+            raise ValueError(f"tp={layout.tp} must divide the {what} ({n})")
     if model.n_layers % layout.pp:
         raise ValueError(f"pp={layout.pp} must divide the layers ({model.n_layers})")
     if layout.pp > 1 and train.grad_accum < layout.pp:
         raise ValueError(f"pipelining over {layout.pp} stages needs at least as many micro-batches "
                          f"(grad_accum={train.grad_accum})")
-    if model.dim % model.n_heads:
-        raise ValueError(f"the width ({model.dim}) must divide into {model.n_heads} heads")
     if train.seq_len > model.max_seq_len:
         raise ValueError(f"seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+    if train.precision == "bf16-fsdp" and not layout.fsdp:
+        raise ValueError(f"precision bf16-fsdp needs FSDP2, which {layout} does not apply (use bf16-autocast)")
 
 
 def plan(model: ModelConfig, train: Training, layout: Layout, ceilings: Ceilings | None = None,
-         ranks: list[int] | None = None) -> Plan:
+         ranks: list[int] | None = None, schedule: str = "1f1b") -> Plan:
     """Bytes per rank (model state, activations, transient buffers, peak), rank 0's communication per step, and
     the step time when `ceilings` are given. `ranks`: which ranks to detail (default: every rank; the ranks of
     one tp x dp_shard slice of each stage differ only by FSDP's uneven last shards)."""
@@ -551,7 +654,7 @@ def plan(model: ModelConfig, train: Training, layout: Layout, ceilings: Ceilings
     rows = []
     for rank in (range(layout.world) if ranks is None else ranks):
         state = model_state(model, train, layout, rank)
-        act = activations(model, train, layout, rank)
+        act = activations(model, train, layout, rank, schedule)
         extra = transient(model, train, layout, rank)
         peak = sum(state["allocated"].values()) + act["kept"] + act["recompute"] + sum(extra.values())
         rows.append({"rank": rank, **layout.coordinates(rank), **state, "activations": act, "transient": extra,
@@ -576,23 +679,24 @@ def layouts(world: int) -> list[Layout]:
 
 
 def fitting_layouts(model: ModelConfig, gpus: int, memory_bytes: float, ceilings: Ceilings, *, seq_len: int,
-                    global_batch: int, batch_size: int = 1, optimizer: str = "adamw", precision: str = "bf16-fsdp",
-                    checkpointing=CHECKPOINTING, max_tp: int = 8, headroom: float = 0.9) -> list[Plan]:
+                    global_batch: int, batch_size: int = 1, optimizer: str = "adamw", dtype: str = "bf16",
+                    checkpointing=CHECKPOINTING, max_tp: int | None = None, headroom: float = 0.9) -> list[Plan]:
     """The layouts of `gpus` ranks (and checkpointing choices) whose peak fits `headroom` x `memory_bytes`, each
-    at `global_batch` sequences per step, fastest estimate first.
+    at `global_batch` sequences per step of micro-batches of `batch_size`, fastest estimate first.
 
     The accumulation follows from the layout: grad_accum = global_batch / (batch_size x data-parallel ranks);
-    layouts that cannot split the batch so, tp above `max_tp` (one node's NVLink domain), or that the recipe
-    refuses are left out. `headroom` keeps room for the allocator's cache and fragmentation, CUDA's context and
+    layouts that cannot split the batch so, tp beyond one node (`max_tp`, default `ceilings.gpus_per_node`), or
+    that the recipe refuses are left out. The precision is what the recipe's --dtype gives there
+    (`recipe_precision`). `headroom` keeps room for the allocator's cache and fragmentation, CUDA's context and
     NCCL's buffers, none of which the plan counts.
     """
+    max_tp = ceilings.gpus_per_node if max_tp is None else max_tp
     found = []
     for layout, ac in itertools.product(layouts(gpus), checkpointing):
         if layout.tp > max_tp or global_batch % (batch_size * layout.dp):
             continue
         train = Training(seq_len=seq_len, batch_size=batch_size, grad_accum=global_batch // (batch_size * layout.dp),
-                         optimizer=optimizer, precision=precision if layout.dp_shard > 1 or precision != "bf16-fsdp"
-                         else "bf16-autocast", checkpointing=ac)
+                         optimizer=optimizer, precision=recipe_precision(dtype, layout), checkpointing=ac)
         try:
             check_layout(model, train, layout)
         except ValueError:
@@ -608,7 +712,16 @@ def fitting_layouts(model: ModelConfig, gpus: int, memory_bytes: float, ceilings
 def torchrun_command(model: ModelConfig, train: Training, layout: Layout, script: str = "scripts/train/train.py",
                      nodes: int = 1, **extra) -> str:
     """The recipe's command line for this plan: one node with --standalone, several with c10d rendezvous
-    (HOST:29500 stands for the first node's address). `extra` adds flags (`steps=100` gives --steps 100)."""
+    (HOST:29500 stands for the first node's address). `extra` adds flags (`steps=100` gives --steps 100).
+
+    The recipe's model is byte-level (a vocabulary of 256) and as long as its sequences (--seq-len sets both):
+    a plan of another vocabulary or length is refused rather than given a command that trains something else.
+    """
+    if model.vocab_size != 256 or model.max_seq_len != train.seq_len:
+        raise ValueError("the recipe trains a 256-token vocabulary at max_seq_len = seq_len; this plan has "
+                         f"vocab_size {model.vocab_size}, max_seq_len {model.max_seq_len}, seq_len {train.seq_len}")
+    if train.optimizer != "adamw":
+        raise ValueError("the recipe trains with AdamW")
     per_node = layout.world // nodes
     if nodes == 1:
         head = f"torchrun --standalone --nproc-per-node={per_node}"
@@ -616,10 +729,10 @@ def torchrun_command(model: ModelConfig, train: Training, layout: Layout, script
         head = (f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d "
                 "--rdzv-endpoint=HOST:29500 --rdzv-id=plan")
     flags = {"dp-replicate": layout.dp_replicate, "dp-shard": layout.dp_shard, "tp": layout.tp, "pp": layout.pp,
-             "vocab-size": model.vocab_size, "dim": model.dim, "n-layers": model.n_layers, "n-heads": model.n_heads,
-             "max-seq-len": model.max_seq_len, "seq-len": train.seq_len, "batch-size": train.batch_size,
-             "grad-accum": train.grad_accum, "precision": train.precision, "ac": train.checkpointing,
-             "optimizer": train.optimizer}
+             "dim": model.dim, "n-layers": model.n_layers, "n-heads": model.n_heads, "mlp-ratio": model.mlp_ratio,
+             "seq-len": train.seq_len, "batch": train.batch_size * layout.dp * train.grad_accum,
+             "accum": train.grad_accum, "dtype": "fp32" if train.precision == "fp32" else "bf16",
+             "ac": train.checkpointing}
     flags.update({k.replace("_", "-"): v for k, v in extra.items()})
     return head + " " + script + "".join(f" --{k} {v}" for k, v in flags.items())
 
