@@ -246,21 +246,27 @@ def model_state(model: ModelConfig, train: Training, layout: Layout, rank: int) 
     buffer of ceil(dim0 / dp_shard) rows (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `_init_sharded_param`:
     `padded_sharded_size = chunks[0].size()`); the gradient arrives in the same padded layout. The optimizer's state
     is `zeros_like` the unpadded local shard. DDP (dp_shard = 1) holds every parameter of its stage whole.
+    Under tensor parallelism without FSDP2 the row-wise embeddings' gradients come back whole on every tp rank
+    (DTensor's embedding backward; measured in notebook 10), twice their sharded size at tp = 2; FSDP2's
+    reduce-scatter returns them sharded.
     """
     c = layout.coordinates(rank)
     b = _dtype_bytes(train.precision)
     shard = layout.dp_shard if layout.fsdp else 1
-    held = padded = 0
-    for _, shape, tp_dim in stage_parameters(model, layout, c["pp"]):
+    held = padded = whole_grads = 0
+    for name, shape, tp_dim in stage_parameters(model, layout, c["pp"]):
         local = tp_local_shape(shape, tp_dim, layout.tp, c["tp"])
         rest = math.prod(local[1:])
         held += _chunk(local[0], shard, c["dp_shard"]) * rest
         padded += -(-local[0] // shard) * rest
+        if layout.tp > 1 and not layout.fsdp and "embeddings" in name:
+            whole_grads += math.prod(shape) - math.prod(local)
     states = OPTIMIZERS[train.optimizer]
     return {
         "elements": held, "padded_elements": padded,
-        "held": {"parameters": held * b["param"], "gradients": held * b["grad"], "optimizer": held * 4 * states},
-        "allocated": {"parameters": padded * b["param"], "gradients": padded * b["grad"],
+        "held": {"parameters": held * b["param"], "gradients": (held + whole_grads) * b["grad"],
+                 "optimizer": held * 4 * states},
+        "allocated": {"parameters": padded * b["param"], "gradients": (padded + whole_grads) * b["grad"],
                       "optimizer": held * 4 * states},
     }
 
@@ -280,15 +286,16 @@ def layer_activations(model: ModelConfig, train: Training, tp: int) -> dict[str,
     "gathered" terms do not shrink with tp (Megatron keeps the shard and gathers again in backward; DTensor does not).
     Under bf16 autocast the normed input is cast to bf16 once per projection it feeds (autocast caches casts of
     weights, not of activations): three copies for wq, wk, wv. RMSNorm: on CUDA `rms_norm` is one fused kernel
-    that keeps its input and one fp32 rstd per row; torch 2.13 on the CPU composes it of pow, mean, rsqrt and mul,
-    which also keep x * rstd (`Training.fused_rms_norm=False` counts that).
+    that keeps its input and one fp32 rstd per row; torch 2.13 on the CPU composes it of pow, mean, rsqrt and mul
+    on an fp32 copy of its input, and keeps that copy and x * rstd, both fp32 (`Training.fused_rms_norm=False`).
     """
     b = _dtype_bytes(train.precision)
     n = train.batch_size * train.seq_len                 # tokens of one micro-batch
     d, hidden, heads = model.dim, model.hidden, model.n_heads
     casts_qkv = 3 if train.precision == "bf16-autocast" else 1
+    norm_in = b["residual"] if train.fused_rms_norm else 4     # the composite upcasts its input to fp32 first
     terms = {
-        "norm inputs (x, h)": 2 * n * d * b["residual"] / tp,
+        "norm inputs (x, h)": 2 * n * d * norm_in / tp,
         "norm rstd": 2 * n * 4 / tp,
         "attention input, gathered (q/k/v projections)": casts_qkv * n * d * b["matmul"],
         "q, k, v": 3 * n * d * b["matmul"] / tp,
@@ -299,7 +306,7 @@ def layer_activations(model: ModelConfig, train: Training, tp: int) -> dict[str,
         "mlp hidden after GELU (w2 input)": n * hidden * b["matmul"] / tp,
     }
     if not train.fused_rms_norm:
-        terms["norm x * rstd (composite RMSNorm)"] = 2 * n * d * b["residual"] / tp
+        terms["norm x * rstd (composite RMSNorm, fp32)"] = 2 * n * d * 4 / tp
     return terms
 
 
@@ -310,7 +317,7 @@ def head_activations(model: ModelConfig, train: Training, tp: int) -> dict[str, 
     b = _dtype_bytes(train.precision)
     n = train.batch_size * train.seq_len
     d, v = model.dim, model.vocab_size
-    norm = (1 if train.fused_rms_norm else 2) * n * d * b["residual"] / tp
+    norm = (n * d * b["residual"] if train.fused_rms_norm else 2 * n * d * 4) / tp
     return {
         "final norm input": norm + n * 4 / tp,
         "output projection input, gathered": n * d * b["matmul"],
