@@ -5,8 +5,8 @@ Why a planner next to the recipe: "which layout for my model on my GPUs?" is ans
 get almost right (ZeRO's 16 bytes per parameter, the Korthikanti et al. activation formula) and whose last 10 % is
 what decides whether a run fits: FSDP2 pads each parameter's dim 0, autocast keeps bf16 copies of the weights and
 casts a normed input once per projection, DTensor's sequence parallelism saves the all-gathered input of every
-projection, the loss keeps fp32 log-probabilities of the whole vocabulary. Every term here names the tensor it
-counts, so a notebook can hold it against what a run on the reader's machine holds and sends (notebook 10 does).
+column-wise projection, the loss keeps fp32 log-probabilities of the whole vocabulary. Every term here names the
+tensor it counts, so a notebook can hold it against what a run on the reader's machine holds and sends.
 
 Imports torch and the standard library only (torch only for `count_parameters`, on the meta device): copy it with
 the recipe. Conventions:
@@ -14,8 +14,12 @@ the recipe. Conventions:
   behind them (FSDP2 keeps parameters and gradients in buffers padded to ceil(dim0 / N) rows on every rank);
 - a layout is (dp_replicate, dp_shard, tp, pp); ranks are numbered like `init_device_mesh` numbers a mesh of shape
   (pp, dp_replicate, dp_shard, tp): tp fastest;
-- a step is `grad_accum` micro-batches of `batch_size` sequences of `seq_len` tokens on every data-parallel rank;
-  gradients are reduced once per step (`set_requires_gradient_sync` / `no_sync` on the other micro-batches).
+- a step is `grad_accum` micro-batches of `batch_size` sequences of `seq_len` tokens on every data-parallel rank,
+  run as the recipe (train.py, parallelize.py) runs it: FSDP2 reshards after forward and reduces every
+  micro-batch, DDP reduces once per step, tensor parallelism is sequence-parallel with a parallel loss, a
+  pipeline runs 1F1B with its stage's FSDP2 parameters gathered through the step;
+- what a run measured shaped the terms: notebook 10 holds each against the recipe on CPU ranks (and a GPU's
+  allocator where there is one), tests/test_plan.py against hand-worked cases and published formulas.
 """
 from __future__ import annotations
 
@@ -235,7 +239,8 @@ def _dtype_bytes(precision: str) -> dict[str, int]:
         return {"param": 4, "grad": 4, "gathered": 4, "residual": 4, "matmul": 4, "reduce": 4}
     if precision == "bf16-autocast":   # fp32 weights and residual stream; autocast casts each matmul's inputs to bf16
         return {"param": 4, "grad": 4, "gathered": 4, "residual": 4, "matmul": 2, "reduce": 4}
-    return {"param": 4, "grad": 4, "gathered": 2, "residual": 2, "matmul": 2, "reduce": 4}   # FSDP2 bf16 params, fp32 reduce
+    # FSDP2's policy: bf16 parameters for compute (so bf16 activations throughout), fp32 master copy and reduction
+    return {"param": 4, "grad": 4, "gathered": 2, "residual": 2, "matmul": 2, "reduce": 4}
 
 
 def model_state(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict:
@@ -565,11 +570,11 @@ def step_time(model: ModelConfig, train: Training, layout: Layout, ceilings: Cei
 
     Assumptions (shown with every plan): matmuls run at the measured matmul rate of the compute dtype; memory-bound
     work (the optimizer's pass over its states and the elementwise ops around the matmuls, counted as reading and
-    writing each activation twice, and again for what checkpointing recomputes) at the copy rate; FSDP2's and DDP's collectives overlap with the compute of
-    the other blocks except one call's worth per step (FSDP2 prefetches one block ahead; DDP reduces buckets while
-    backward runs); tensor-parallel and loss collectives sit on the critical path (no async TP); the pipeline
-    idles (pp - 1) / (m + pp - 1) of the step (1F1B's bubble, m micro-batches); a group that spans nodes runs at
-    the inter-node bus bandwidth; each call also pays the latency.
+    writing each activation twice, and again for what checkpointing recomputes) at the copy rate; FSDP2's and
+    DDP's collectives overlap with the compute of the other blocks except one call's worth per step (FSDP2
+    prefetches one block ahead; DDP reduces buckets while backward runs); tensor-parallel and loss collectives sit
+    on the critical path (no async TP); the pipeline idles (pp - 1) / (m + pp - 1) of the step (1F1B's bubble, m
+    micro-batches); a group that spans nodes runs at the inter-node bus bandwidth; each call also pays the latency.
     """
     compute_dtype = "fp32" if train.precision == "fp32" else "bf16"
     compute = flops_per_step(model, train, layout, rank) / ceilings.matmul[compute_dtype]
