@@ -15,7 +15,6 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from scripts.train import plan as P
 
@@ -75,6 +74,8 @@ def test_zero_sixteen_bytes_per_parameter_and_sixteen_psi_over_n(precision):
     psi = P.parameter_count(cfg)
     train = P.Training(seq_len=64, batch_size=1, precision=precision)
     assert sum(P.model_state(cfg, train, P.Layout(), 0)["held"].values()) == 16 * psi
+    sgd = P.model_state(cfg, P.replace(train, optimizer="sgd"), P.Layout(), 0)["held"]
+    assert sgd["optimizer"] == 4 * psi, "SGD with momentum: one fp32 buffer, 12 bytes per parameter in all"
     for n in (4, 8):
         for rank in range(n):
             state = P.model_state(cfg, train, P.Layout(dp_shard=n), rank)
@@ -268,6 +269,18 @@ def _model_state_worker(cfg, warmup, train):
     try:
         world, out = dist.get_world_size(), {}
         x = torch.randint(0, cfg.vocab_size, (train.batch_size, train.seq_len))
+
+        def step(name, model, trained, opt):
+            for i in range(train.grad_accum):
+                sync = name == "fsdp" or i == train.grad_accum - 1
+                with contextlib.nullcontext() if sync else trained.no_sync():
+                    F.cross_entropy(trained(x).flatten(0, 1), x.flatten()).backward()
+            par.clip_grad_norm_(model.parameters(), 1.0)
+            state = {"held": model_state_bytes(model, opt), "allocated": allocated_state_bytes(model, opt)}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return state
+
         for name in ("fsdp", "ddp"):
             torch.manual_seed(0)
             model = recipe_gpt(cfg)
@@ -278,25 +291,12 @@ def _model_state_worker(cfg, warmup, train):
             else:
                 trained = par.apply_ddp(model, mesh, torch.device("cpu"))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-            def step():
-                for i in range(train.grad_accum):
-                    sync = name == "fsdp" or i == train.grad_accum - 1
-                    with contextlib.nullcontext() if sync else trained.no_sync():
-                        F.cross_entropy(trained(x).flatten(0, 1), x.flatten()).backward()
-                par.clip_grad_norm_(model.parameters(), 1.0)
-                state = {"held": model_state_bytes(model, opt), "allocated": allocated_state_bytes(model, opt)}
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return state
-
             for _ in range(warmup):   # DDP rebuilds its buckets after the first step; AdamW makes its state
-                step()
+                step(name, model, trained, opt)
             log = CollectiveLog()
             with log:
-                state = step()
+                state = step(name, model, trained, opt)
             out[name] = {**state, "log": log.summary()}
-            del model, trained, opt
         return out
     finally:
         import gc
