@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -94,6 +95,7 @@ class Checkpointer:
     def __init__(self, root: str | Path, keep: int = 2, async_save: bool = False, config: dict | None = None):
         self.root, self.keep, self.async_save, self.config = Path(root), keep, async_save, config or {}
         self.pending = None           # (future, step) of an async save not yet committed
+        self.saved_step = None        # the step of the last save (committed, or pending)
         # async saves talk on a gloo group of their own, so they never queue behind the training's collectives
         self.group = dist.new_group(backend="gloo") if async_save else None
         if dist.get_rank() == 0:
@@ -113,6 +115,7 @@ class Checkpointer:
         """Save `state` at its step. Sync: written and committed when this returns. Async: the state is copied to
         host memory before this returns, written in the background, committed at the next save or `wait()`."""
         self.wait()
+        self.saved_step = state.step
         staged = staging_dir(self.root, state.step)
         if self.async_save:
             future = dcp.async_save({"train": state}, checkpoint_id=staged, process_group=self.group)
@@ -145,7 +148,9 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         model = GPT(GPTConfig(**config["model"]))
     model.to_empty(device="cpu")
     state = model.state_dict()
-    dcp.load({"train": {"model": state}}, checkpoint_id=checkpoint)
+    with warnings.catch_warnings():   # DCP warns that it loads in one process: that is the intent here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"train": {"model": state}}, checkpoint_id=checkpoint)
     torch.save({"config": config["model"], "model": state}, out)
     return Path(out)
 

@@ -311,7 +311,7 @@ class Trainer:
         micro = self.local_batch if args.pp > 1 else self.local_batch // args.accum
         self.loader = data.train_loader(self.data_path, args.seq_len, micro, self.dp_rank, self.dp,
                                         args.batch, args.seed)
-        self.batches = iter(self.loader)
+        self.batches = None        # iter(loader) at the first step: after a checkpoint has set its position
         self.state = ckpt.TrainState(self.train_model, self.optimizer, self.scheduler, self.loader)
 
     def _context(self):
@@ -326,6 +326,8 @@ class Trainer:
         return stack
 
     def _next(self):
+        if self.batches is None:
+            self.batches = iter(self.loader)
         x, y = next(self.batches)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
@@ -466,7 +468,7 @@ def train(device: torch.device, args) -> dict:
             step = trainer.state.step
             window_steps += 1
             logged = step % args.log_every == 0 or step == args.steps or step == first_step + 1
-            if metrics or logged:
+            if args.metrics or logged:                         # collective: every rank takes part
                 mean_loss = trainer.global_mean(loss)
                 norm_value = norm.item()
                 lr = trainer.scheduler.get_last_lr()[0]
@@ -506,7 +508,8 @@ def train(device: torch.device, args) -> dict:
             if metrics:
                 print(json.dumps({"step": trainer.state.step, "eval_loss": eval_loss, "final": True}), file=metrics)
         if checkpointer:
-            checkpointer.save(trainer.state)
+            if checkpointer.saved_step != trainer.state.step:
+                checkpointer.save(trainer.state)
             checkpointer.wait()
     finally:
         if metrics:
