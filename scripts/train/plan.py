@@ -370,15 +370,18 @@ def activations(model: ModelConfig, train: Training, layout: Layout, rank: int, 
     sequence-split under tp) and recomputes one block at a time in backward, so one block's activations come back
     at once; "selective" keeps what `selective_block` lists; "alternate" checkpoints every other block whole
     (blocks 0, 2, 4, ...) and keeps everything of the others. (Korthikanti's selective recomputation recomputes
-    the s^2 attention scores only; flash attention never stores them, so here it would save nothing.) Under bf16
-    autocast a block that is not checkpointed also keeps the bf16 copies of its weights (`autocast_weight_copies`),
-    once per micro-batch in flight.
+    the s^2 attention scores only; flash attention never stores them, so here it would save nothing.)
+
+    Under bf16 autocast the bf16 copies of the stage's matmul weights (`autocast_weight_copies`) are kept once,
+    whatever the checkpointing: autocast caches each cast of a weight until its context exits, and the recipe's
+    context spans the forward and the backward (a pipeline's, the whole step). "kept" is every micro-batch in
+    flight plus that cache; "per_microbatch" leaves the cache out.
     """
     c = layout.coordinates(rank)
     tp, stage = layout.tp, c["pp"]
     blocks_here = list(stage_layers(model, layout.pp, stage))
     casts = autocast_weight_copies(model, train, layout, rank)
-    one = sum(layer_activations(model, train, tp).values()) + casts["block"]
+    one = sum(layer_activations(model, train, tp).values())
     n = train.batch_size * train.seq_len
     kept_input = n * model.dim * _dtype_bytes(train.precision)["residual"] / tp
     ac = train.checkpointing
@@ -397,18 +400,18 @@ def activations(model: ModelConfig, train: Training, layout: Layout, rank: int, 
     if stage == 0:
         terms["embedding"] = sum(embedding_activations(train).values())
     if stage == layout.pp - 1:
-        terms["head"] = sum(head_activations(model, train, tp).values()) + casts["head"]
+        terms["head"] = sum(head_activations(model, train, tp).values())
     micro = in_flight_microbatches(layout, train, stage, schedule)
     per_micro = sum(terms.values())
-    return {"per_microbatch": per_micro, "in_flight": micro, "kept": per_micro * micro, "recompute": recompute,
-            "terms": terms}
+    cache = casts["block"] * len(blocks_here) + casts["head"]
+    return {"per_microbatch": per_micro, "in_flight": micro, "autocast_cache": cache,
+            "kept": per_micro * micro + cache, "recompute": recompute, "terms": terms}
 
 
 def autocast_weight_copies(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
-    """bf16 copies of the matmul weights that autocast makes in forward and autograd keeps for backward (2 bytes
-    each, the rank's tp shard): {"block": one block's, "head": the output projection's on the last stage}. A
-    checkpointed block keeps none: its recomputation casts again. (The recipe autocasts only where FSDP2 is not
-    applied, so these are whole local weights.)"""
+    """bf16 copies of the matmul weights that autocast makes in forward and caches until its context exits (2 bytes
+    each, the rank's tp shard): {"block": one block's, "head": the output projection's on the last stage}. (The
+    recipe autocasts only where FSDP2 is not applied, so these are whole local weights.)"""
     if train.precision != "bf16-autocast":
         return {"block": 0.0, "head": 0.0}
     c = layout.coordinates(rank)
