@@ -7,8 +7,8 @@ every cell from the Run menu, saves it from the File menu, and the test checks t
 error output, no traceback on the page, every widget rendered, the figures present. Each notebook has its own
 server and browser, stopped with everything they started. Notebook 00 shows per-rank output tabs; notebook 08 an
 explorer (helpers.explore), whose controls the test sets to values other than the defaults before pressing its Run
-button, and whose output must then appear: the one thing papermill cannot check. A screenshot of each notebook
-goes to outputs/browser/ for a person to look at.
+button, and whose output must then appear: the one thing papermill cannot check; notebook 10's planner explorer
+the same way. A screenshot of each notebook goes to outputs/browser/ for a person to look at.
 
 Needs /usr/bin/chromium and /usr/bin/chromedriver (`apt-get install chromium chromium-driver`) and selenium (the
 `test` extra). Without them the test skips, unless CI=true, where it fails. Deselect it with `-m "not browser"`.
@@ -61,6 +61,10 @@ PAGES = [
     # the bubble sweep and the explorer's default step; a press with GPipe at m = 8 (defaults: 1F1B, m = 4)
     Page("08_pipeline_parallel.ipynb", figures=2, explore=(("n_microbatches", "8"), ("schedule", "gpipe")),
          explored=("gpipe, p = ", ", v = 1, m = 8: step ")),
+    # the planner's runs against the recipe and the default plan; a press for a 40 GB device with full
+    # checkpointing (defaults: 80 GB, none), whose plan, command and list of fitting layouts must show
+    Page("10_parallelism_planner.ipynb", figures=2, explore=(("memory_gb", "40"), ("ac", "full")),
+         explored=("checkpointing full", "GB against 40 GB", "layouts of 8 GPUs of 40 GB fit", "$ torchrun")),
 ]
 
 # Generous on purpose: the machines this runs on are small and often busy.

@@ -75,7 +75,8 @@ class SavedActivations:
     shard; they scale with the per-rank batch. Works on CPU, where no allocator statistic exists. A saved tensor
     is a parameter when it (or the tensor it is a view of, e.g. `weight.t()`) is an `nn.Parameter`, as FSDP2's
     unsharded parameters are too (testing "leaf that requires grad" would also catch inputs that require grad).
-    Distinct storages count once, so views of one activation (q, k and v cut from one projection) count once.
+    Distinct storages count once, so views of one activation (q, k and v cut from one projection) count once. A
+    DTensor (tensor parallelism) counts its local shard.
 
         meter = SavedActivations()
         with meter:
@@ -95,9 +96,16 @@ class SavedActivations:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         base = t._base if t._base is not None else t
-        storage = t.untyped_storage()
         target = self._parameters if isinstance(base, torch.nn.Parameter) else self._activations
-        target[storage.data_ptr()] = storage.nbytes()
+        local = t
+        if callable(getattr(t, "to_local", None)):  # a DTensor (tensor parallel): its storage is the local shard's
+            with torch.no_grad():
+                local = t.to_local()
+        try:
+            storage = local.untyped_storage()
+            target[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:  # FSDP2's gathered parameter under TP: a storage Python cannot read; count the tensor
+            target[id(t)] = local.numel() * local.element_size()
         self.tensors += 1
         return t
 

@@ -35,6 +35,7 @@ _C10D = {
     "reduce_scatter_tensor_coalesced_": (REDUCE_SCATTER, 1),
     "allreduce_": (ALL_REDUCE, 0), "allreduce_coalesced_": (ALL_REDUCE, 0),
     "broadcast_": ("broadcast", 0), "alltoall_": ("all_to_all", 1), "alltoall_base_": ("all_to_all", 1),
+    "send": ("send", 0), "recv_": ("recv", 0),   # point to point: a pipeline's activations and their gradients
 }
 _FUNCTIONAL = {
     "all_gather_into_tensor": ALL_GATHER, "all_gather_into_tensor_coalesced": ALL_GATHER,
@@ -46,7 +47,7 @@ _FUNCTIONAL = {
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str        # all_gather, reduce_scatter, all_reduce, broadcast, all_to_all
+    kind: str        # all_gather, reduce_scatter, all_reduce, broadcast, all_to_all, send, recv
     numel: int       # elements of the logical buffer (see the module docstring)
     itemsize: int    # bytes per element
     group_size: int  # ranks taking part
@@ -61,8 +62,10 @@ class Collective:
     def ring_bytes_sent(self) -> float:
         """Bytes one rank sends for this collective on a ring: the buffer times nccl-tests' busbw factor (a
         broadcast: the whole buffer, pipelined); nothing in a group of one."""
-        if self.group_size <= 1:
+        if self.group_size <= 1 or self.kind == "recv":
             return 0.0
+        if self.kind == "send":
+            return float(self.bytes)
         return self.bytes * busbw_factor(self.kind, self.group_size)
 
 
