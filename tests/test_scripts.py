@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.export import drift
+from tools.export import drift
 from helpers.launcher.torchrun import torchrun_path
 from helpers.paths import SCRIPTS
 
