@@ -69,3 +69,13 @@ def cell_interrupted_after(seconds: float):
         timer.cancel()
         timer.join()
         signal.signal(signal.SIGINT, previous)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`./cookbook test` runs two tests at a time (pytest-xdist, `--dist loadgroup`), each worker a process with its
+    own fork-server, so the checks above hold per worker. The tests that run whole notebooks (papermill, and the
+    browser's JupyterLab) form one group: one worker runs them one after another, never two notebooks at once on
+    two cores, while the other worker takes everything else. Without xdist the mark does nothing."""
+    for item in items:
+        if item.get_closest_marker("notebook") or item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.xdist_group("notebooks"))
