@@ -10,7 +10,7 @@ runs even after an error, and after each step the output folder's one file, `bud
   summary.json    one record per step: status, seconds, failing cells, headline figures
   figures.md      table rows for docs/measurements.md: date, device, torch, command, the headline figures
   {mode}/         the executed notebooks (NAME.smoke.ipynb / NAME.full.ipynb) and the output of each one's run (.log)
-  tests.log, bench.log
+  tests.N.log, bench.N.log   the output of the tests or the benchmark, N the step's number in summary.json
 Several commands with the same --out add to one archive. The console gets each step's line as it ends.
 Nothing here is GPU-specific: on a CPU it runs the same way (that is how it is tested).
 
@@ -138,8 +138,8 @@ class Session:
         if (out / ARCHIVE).exists():
             with tarfile.open(out / ARCHIVE) as tar:
                 tar.extractall(self.work.parent, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-        self.executed = self.work / mode
-        self.executed.mkdir(parents=True, exist_ok=True)
+        self.executed = self.work / mode  # the notebook modes' executed notebooks and logs
+        self.work.mkdir(parents=True, exist_ok=True)
         summary = self.work / "summary.json"
         self.records = json.loads(summary.read_text()) if summary.exists() else []
 
@@ -185,6 +185,7 @@ def run_notebooks(session: Session, paths: list[Path], deadline: float) -> bool:
             session.record(path.stem, "not started (budget spent)", 0.0)
             ok = False
             continue
+        session.executed.mkdir(exist_ok=True)
         out = session.executed / f"{path.stem}.{session.mode}.ipynb"
         out.unlink(missing_ok=True)
         status, seconds = run_bounded([sys.executable, "-m", "tools.budget_run", "_one", str(path),
@@ -233,10 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "tests":
         pytest_args = rest or ["-m", "not browser and not notebook"]
         argv_child = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *pytest_args]
-        log = session.work / "tests.log"
+        log = session.work / f"tests.{len(session.records) + 1}.log"
     else:
         argv_child = [sys.executable, str(REPO_ROOT / "benchmarks" / "launch_overhead.py"), *rest]
-        log = session.work / "bench.log"
+        log = session.work / f"bench.{len(session.records) + 1}.log"
     status, seconds = run_bounded(argv_child, deadline - time.monotonic(), log=log)
     tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
     session.record(" ".join(rest) or args.mode, status + (f" ({tail[0]})" if tail else ""), seconds)
