@@ -71,11 +71,19 @@ def cell_interrupted_after(seconds: float):
         signal.signal(signal.SIGINT, previous)
 
 
+
+# The notebooks whose smoke runs cost the most CPU (measured with --durations on two cores): they never share the
+# machine with each other or with the browser test. A notebook not named here may run beside any test.
+HEAVY_NOTEBOOKS = {"02_ddp", "04_rpc_parameter_server", "05_mixed_precision", "06_checkpointing_and_fault_tolerance"}
+
+
 def pytest_collection_modifyitems(config, items):
     """`./cookbook test` runs two tests at a time (pytest-xdist, `--dist loadgroup`), each worker a process with its
-    own fork-server, so the checks above hold per worker. The tests that run whole notebooks (papermill, and the
-    browser's JupyterLab) form one group: one worker runs them one after another, never two notebooks at once on
-    two cores, while the other worker takes everything else. Without xdist the mark does nothing."""
+    own fork-server, so the checks above hold per worker. The browser test (JupyterLab in Chromium, waiting on a
+    page) and the heaviest notebooks form one group, which one worker runs one after another; every other test,
+    the lighter notebooks included, goes to whichever worker is free. Without xdist the mark does nothing."""
     for item in items:
-        if item.get_closest_marker("notebook") or item.get_closest_marker("browser"):
-            item.add_marker(pytest.mark.xdist_group("notebooks"))
+        callspec = getattr(item, "callspec", None)
+        if item.get_closest_marker("browser") or (item.get_closest_marker("notebook") and callspec is not None
+                                                  and callspec.id in HEAVY_NOTEBOOKS):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
