@@ -94,3 +94,21 @@ def cell_interrupted_when(condition, timeout: float):
         stop.set()
         watcher.join()
         signal.signal(signal.SIGINT, previous)
+
+
+# The two notebooks whose smoke runs cost the most (05 and 06: 43% of the time notebooks 00-07 took, measured one
+# at a time with papermill on the loaded 2-core machine): they never share the machine with each other or with the
+# browser test. A notebook not named here may run beside any test.
+HEAVY_NOTEBOOKS = {"05_mixed_precision", "06_checkpointing_and_fault_tolerance"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`./cookbook test` runs two tests at a time (pytest-xdist, `--dist loadgroup`), each worker a process with its
+    own fork-server, so the checks above hold per worker. The browser test (JupyterLab in Chromium, waiting on a
+    page) and the two heaviest notebooks form one group, which one worker runs one after another; every other test,
+    the lighter notebooks included, goes to whichever worker is free. Without xdist the mark does nothing."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if item.get_closest_marker("browser") or (item.get_closest_marker("notebook") and callspec is not None
+                                                  and callspec.id in HEAVY_NOTEBOOKS):
+            item.add_marker(pytest.mark.xdist_group("heavy"))

@@ -1,5 +1,6 @@
-"""helpers.budget_run: every cell runs after an error, a notebook that hangs is stopped at the budget with what it
-printed kept and nothing of it left running, and the output folder holds what a device call can bring back."""
+"""tools.budget_run: every cell runs after an error, a notebook that hangs is stopped at the budget with what it
+printed kept and nothing of it left running, and the output folder holds one archive (a device call brings back at
+most 8 files)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import nbformat
 import psutil
 import pytest
 
-from helpers.budget_run import Session, parse_arguments, run_notebooks
+from tools.budget_run import ARCHIVE, Session, parse_arguments, run_notebooks
 
 
 def write_notebook(path, *sources):
@@ -29,16 +30,21 @@ def index_of(cells: list, text: str) -> int:
 
 def run(tmp_path, mode: str, seconds: float, *notebooks: tuple[str, ...]) -> tuple[Session, bool, list[dict]]:
     """Write each (name, *cell sources) as a notebook, run them all within `seconds`: the session, whether every
-    one ran clean, and the records summary.json holds."""
+    one ran clean, and the records the archive's summary.json holds."""
     paths = [write_notebook(tmp_path / f"{name}.ipynb", *sources) for name, *sources in notebooks]
     session = Session(tmp_path / "out", mode, f"budget_run {mode}")
     ok = run_notebooks(session, paths, time.monotonic() + seconds)
-    return session, ok, json.loads((session.out / "summary.json").read_text())
+    return session, ok, json.loads(archived(session, "summary.json"))
+
+
+def archived(session: Session, name: str) -> str:
+    """A file of the archive in the output folder: what comes back from a device call."""
+    with tarfile.open(session.out / ARCHIVE) as tar:
+        return tar.extractfile(f"budget_run/{name}").read().decode()
 
 
 def executed(session: Session, name: str) -> dict:
-    with tarfile.open(session.out / f"{session.mode}.tar.gz") as tar:
-        return json.load(tar.extractfile(f"{session.mode}-executed/{name}.{session.mode}.ipynb"))
+    return json.loads(archived(session, f"{session.mode}/{name}.{session.mode}.ipynb"))
 
 
 @pytest.mark.timeout(180)
@@ -56,7 +62,7 @@ def test_cells_after_an_error_still_run_and_figures_are_kept(tmp_path):
     assert [(c["cell"], c["ename"]) for c in record["failing_cells"]] == [(index_of(cells, "raise"), "ValueError")]
     assert record["figures"] == [{"name": "answer", "value": 42.0, "unit": "units"}]
     assert "smoke is True" in "".join(cells[index_of(cells, "print")]["outputs"][0]["text"])  # papermill's SMOKE
-    assert "answer = 42 units" in (session.out / "figures.md").read_text()
+    assert "answer = 42 units" in archived(session, "figures.md")
 
 
 @pytest.mark.timeout(180)
@@ -76,7 +82,10 @@ def test_a_hanging_notebook_is_stopped_at_the_budget_and_leaves_nothing_running(
     pid = int("".join(cells[index_of(cells, "Popen")]["outputs"][0]["text"]).split()[1])
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert cells[index_of(cells, "never reached")].get("outputs") == []
-    assert sorted(p.name for p in session.out.iterdir()) == ["figures.md", "full.tar.gz", "summary.json"]
+    assert [p.name for p in session.out.iterdir()] == [ARCHIVE]
+    with tarfile.open(session.out / ARCHIVE) as tar:
+        assert {f"budget_run/{name}" for name in ("summary.json", "figures.md", "full/02_hangs.full.ipynb",
+                                                  "full/02_hangs.full.log")} <= set(tar.getnames())
 
 
 def test_arguments_after_the_separator_go_to_pytest_untouched():

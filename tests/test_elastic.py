@@ -64,7 +64,8 @@ def test_kill_takes_the_agents_workers_with_it(tmp_path):
     """torchrun starts a script's workers in sessions of their own: killing the agent's session alone would leave
     them running. Agent.kill must take them too."""
     script = tmp_path / "sleepy.py"
-    script.write_text("import os, time\nprint('worker pid', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    # one write of one line: two workers share the agent's pipe, and print's pieces interleave under -u
+    script.write_text("import os, time\nos.write(1, f'worker pid {os.getpid()}\\n'.encode())\ntime.sleep(600)\n")
     agent = agents.start_agent("solo", script, log_dir=tmp_path, nnodes="1", nproc=2,
                                endpoint=f"127.0.0.1:{free_port()}", env={"LOGLEVEL": "INFO"})
     try:

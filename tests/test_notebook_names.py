@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from pyflakes import checker, messages
 
-from helpers.run_notebooks import notebook_paths
+from tools.run_notebooks import notebook_paths
 
 IPYTHON_BUILTINS = {"display", "get_ipython"}  # names IPython puts in every kernel's namespace
 

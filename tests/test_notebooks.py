@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.run_notebooks import NOTEBOOKS, OUTPUTS, execute_notebook, notebook_paths
+from tools.run_notebooks import NOTEBOOKS, OUTPUTS, execute_notebook, notebook_paths
 
 # Smoke mode must stay within a few minutes per notebook on 2 CPU cores.
 NOTEBOOK_TIMEOUT_S = 420

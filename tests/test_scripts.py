@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.export import drift
+from tools.export import drift
 from helpers.launcher.torchrun import torchrun_path
 from helpers.paths import REPO_ROOT, SCRIPTS
 
@@ -104,6 +105,15 @@ def test_a_script_runs_cleanly_under_torchrun_without_helpers_every_time(name: s
         assert len(summaries) == 1, f"run {attempt}/{RUNS}: want one 'summary:' line, got:\n{stdout}"
 
 
+def _flags(script: Path) -> set[str]:
+    """The options a script's argparse defines: every `add_argument("--name", ...)` (read, not run: starting each
+    script only to print --help cost a torch import apiece, over a minute in all on two cores)."""
+    calls = [node for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"]
+    return {"--help"} | {arg.value for call in calls for arg in call.args
+                         if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
+
+
 def test_the_command_lines_the_notebooks_show_name_only_flags_their_script_has():
     """A reader pastes these lines: a flag the script does not define fails at once (06 once showed --run-dir)."""
     import json
@@ -112,7 +122,7 @@ def test_the_command_lines_the_notebooks_show_name_only_flags_their_script_has()
     from helpers.paths import NOTEBOOKS
 
     names = {p.name for p in _scripts()}
-    helps: dict[str, str] = {}
+    flags: dict[str, set[str]] = {}
     unknown = []
     for notebook in sorted(NOTEBOOKS.glob("[0-9]*.ipynb")):
         for cell in json.loads(notebook.read_text())["cells"]:
@@ -121,10 +131,17 @@ def test_the_command_lines_the_notebooks_show_name_only_flags_their_script_has()
                 if not shown or shown.group(1) not in names:
                     continue
                 script = shown.group(1)
-                if script not in helps:
-                    helps[script] = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"],
-                                                   capture_output=True, text=True, timeout=120).stdout
+                flags.setdefault(script, _flags(SCRIPTS / script))
                 unknown += [f"{notebook.name} {cell['id']}: {script} {flag}"
-                            for flag in re.findall(r"--[\w-]+", shown.group(2)) if flag not in helps[script]]
-    assert helps, "the notebooks show torchrun lines for their scripts"
+                            for flag in re.findall(r"--[\w-]+", shown.group(2)) if flag not in flags[script]]
+    assert flags, "the notebooks show torchrun lines for their scripts"
     assert unknown == []
+
+
+def test_the_flags_are_read_as_argparse_would_define_them(tmp_path: Path):
+    """`_flags` reads what `--help` would list: checked on one script against its real --help."""
+    script = SCRIPTS / "train_ddp.py"
+    shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path).stdout
+    listed = set(re.findall(r"^  (?:-\w, )?(--[\w-]+)", shown, re.M))  # argparse's option lines
+    assert _flags(script) == listed and len(listed) > 3

@@ -1,21 +1,23 @@
 """Run notebooks (every cell), the tests or the launcher benchmark within a time budget, saving after each step.
 
-Why this exists: the GPU machine that issue 13 needs is lent for short calls (10 minutes a command, 30 minutes a
-session) and a command stopped at its limit brings back only what it had already written. A notebook that hangs on
-NCCL must not take the other notebooks' results with it, and a first run on a new machine should list every failing
-cell, not stop at the first. So each notebook runs in a child process with what is left of the budget (its whole
-process tree, kernel and workers included, is stopped at the deadline), every cell runs even after an error, and
-after each step the output folder (at most 8 files: what a device call brings back) is rewritten:
-  {mode}.tar.gz   the executed notebooks (NAME.smoke.ipynb / NAME.full.ipynb) and the output of each one's run
+Why this exists: a lent GPU machine runs short calls (10 minutes a command, 15 minutes of device time a session),
+a call brings back at most 8 files, and a command stopped at its limit brings back only what it had already
+written. A notebook that hangs on NCCL must not take the other notebooks' results with it, and a first run on a new
+machine should list every failing cell, not stop at the first. So each notebook runs in a child process with what is
+left of the budget (its whole process tree, kernel and workers included, is stopped at the deadline), every cell
+runs even after an error, and after each step the output folder's one file, `budget_run.tar.gz`, is rewritten
+(whole, or not at all). It holds, under `budget_run/`:
   summary.json    one record per step: status, seconds, failing cells, headline figures
   figures.md      table rows for docs/measurements.md: date, device, torch, command, the headline figures
-  tests.log, bench.log
+  {mode}/         the executed notebooks (NAME.smoke.ipynb / NAME.full.ipynb) and the output of each one's run (.log)
+  tests.N.log, bench.N.log   the output of the tests or the benchmark, N the step's number in summary.json
+Several commands with the same --out add to one archive. The console gets each step's line as it ends.
 Nothing here is GPU-specific: on a CPU it runs the same way (that is how it is tested).
 
-usage: python -m helpers.budget_run {smoke|full} [NAME ...] [--budget S] [--out DIR]
-       python -m helpers.budget_run {tests|bench} [--budget S] [--out DIR] [-- PYTEST OR BENCHMARK ARGS]
-On the GPU machine, through ../shared/gpu's on-device.sh (see docs/measurements.md):
-  bash .gpu/on-device.sh python3 -m helpers.budget_run smoke --budget 540
+usage: python -m tools.budget_run {smoke|full} [NAME ...] [--budget S] [--out DIR]
+       python -m tools.budget_run {tests|bench} [--budget S] [--out DIR] [-- PYTEST OR BENCHMARK ARGS]
+On the GPU machine, through the on-device.sh that .ci/gpu-stage stages (see docs/measurements.md):
+  bash .gpu/on-device.sh python3 -m tools.budget_run smoke --budget 540
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from pathlib import Path
 from helpers.paths import NOTEBOOKS, REPO_ROOT
 
 MODES = ("smoke", "full", "tests", "bench")
+ARCHIVE = "budget_run.tar.gz"
 FIGURES_HEADER = "| date | device | torch | command | figures |\n|---|---|---|---|---|\n"
 
 
@@ -124,25 +127,32 @@ def _waited(child: subprocess.Popen, timeout: float) -> bool:
 
 
 class Session:
-    """The output folder of one call: summary.json and figures.md grow, each mode's archive is rewritten."""
+    """What one command has done so far, kept in a working folder and written to `out` as one archive after each
+    step. An archive already in `out` (an earlier command's) is unpacked first, so its records are kept."""
 
     def __init__(self, out: Path, mode: str, command: str):
         self.out, self.mode, self.command = out, mode, command
         out.mkdir(parents=True, exist_ok=True)
         self.facts = device_facts()
-        self.executed = Path(tempfile.mkdtemp(prefix=f"budget-run-{mode}-"))
-        summary = out / "summary.json"
+        self.work = Path(tempfile.mkdtemp(prefix="budget-run-")) / "budget_run"
+        if (out / ARCHIVE).exists():
+            with tarfile.open(out / ARCHIVE) as tar:
+                tar.extractall(self.work.parent, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        self.executed = self.work / mode  # the notebook modes' executed notebooks and logs
+        self.work.mkdir(parents=True, exist_ok=True)
+        summary = self.work / "summary.json"
         self.records = json.loads(summary.read_text()) if summary.exists() else []
 
     def record(self, step: str, status: str, seconds: float, cells: list | None = None,
                figures: list | None = None) -> None:
+        """Add a step's record and its figures row, print them, and rewrite the archive."""
         self.records.append({"mode": self.mode, "step": step, "status": status, "seconds": round(seconds, 1),
                              "failing_cells": cells or [], "figures": figures or [], **self.facts})
-        (self.out / "summary.json").write_text(json.dumps(self.records, indent=1))
+        (self.work / "summary.json").write_text(json.dumps(self.records, indent=1))
         shown = "; ".join(f"{f['name']} = {f['value']:.4g} {f['unit']}".rstrip() for f in figures or [])
         if cells:
             shown = (shown + "; " if shown else "") + f"{len(cells)} failing cells"
-        figures_md = self.out / "figures.md"
+        figures_md = self.work / "figures.md"
         if not figures_md.exists():
             figures_md.write_text(FIGURES_HEADER)
         device = f"{self.facts['gpus']}x {self.facts['device']}" if self.facts["gpus"] else self.facts["device"]
@@ -151,13 +161,17 @@ class Session:
         with figures_md.open("a") as f:
             f.write(f"| {datetime.date.today()} | {device} | {torch_version} | `{self.command} {step}` | "
                     f"{step}: {status}, {seconds:.0f} s{'; ' + shown if shown else ''} |\n")
+        self.archive()
         print(f"{step}: {status}, {seconds:.1f} s{'; ' + shown if shown else ''}", flush=True)
         for cell in cells or []:
             print(f"   cell {cell['cell']} ({cell['id']}): {cell['ename']}: {cell['evalue'][:200]}", flush=True)
 
     def archive(self) -> None:
-        with tarfile.open(self.out / f"{self.mode}.tar.gz", "w:gz") as tar:
-            tar.add(self.executed, arcname=f"{self.mode}-executed")
+        """Rewrite `out`'s one file; a command stopped while writing leaves the previous archive whole."""
+        partial = self.out / f".{ARCHIVE}.partial"
+        with tarfile.open(partial, "w:gz") as tar:
+            tar.add(self.work, arcname=self.work.name)
+        os.replace(partial, self.out / ARCHIVE)
 
 
 def run_notebooks(session: Session, paths: list[Path], deadline: float) -> bool:
@@ -171,16 +185,16 @@ def run_notebooks(session: Session, paths: list[Path], deadline: float) -> bool:
             session.record(path.stem, "not started (budget spent)", 0.0)
             ok = False
             continue
+        session.executed.mkdir(exist_ok=True)
         out = session.executed / f"{path.stem}.{session.mode}.ipynb"
         out.unlink(missing_ok=True)
-        status, seconds = run_bounded([sys.executable, "-m", "helpers.budget_run", "_one", str(path),
+        status, seconds = run_bounded([sys.executable, "-m", "tools.budget_run", "_one", str(path),
                                        session.mode, str(out)], left, log=out.with_suffix(".log"))
         executed = json.loads(out.read_text()) if out.exists() else {}
         cells = failing_cells(executed)
         if not out.exists() and status == "ran":
             status = "no executed notebook written"
         session.record(path.stem, status, seconds, cells, headlines_of(executed))
-        session.archive()
         ok = ok and status == "ran" and not cells
     return ok
 
@@ -188,7 +202,7 @@ def run_notebooks(session: Session, paths: list[Path], deadline: float) -> bool:
 def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The options, and the mode's own arguments: notebook names, or what follows `--` for pytest or the benchmark
     (split off first, so that pytest's `-m EXPR` or `-k EXPR` never meets this parser)."""
-    parser = argparse.ArgumentParser(prog="python -m helpers.budget_run", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.budget_run", description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=MODES)
     parser.add_argument("names", nargs="*", help="notebook name substrings (smoke, full)")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for this whole command (default 540)")
@@ -209,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args, rest = parse_arguments(argv)
     deadline = time.monotonic() + args.budget
-    session = Session(args.out, args.mode, f"python -m helpers.budget_run {args.mode}")
+    session = Session(args.out, args.mode, f"python -m tools.budget_run {args.mode}")
     if args.mode in ("smoke", "full"):
-        from helpers.run_notebooks import notebook_paths
+        from tools.run_notebooks import notebook_paths
 
         paths = [p for p in notebook_paths() if not rest or any(n in p.name for n in rest)]
         if not paths:
@@ -220,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "tests":
         pytest_args = rest or ["-m", "not browser and not notebook"]
         argv_child = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *pytest_args]
-        log = args.out / "tests.log"
+        log = session.work / f"tests.{len(session.records) + 1}.log"
     else:
         argv_child = [sys.executable, str(REPO_ROOT / "benchmarks" / "launch_overhead.py"), *rest]
-        log = args.out / "bench.log"
+        log = session.work / f"bench.{len(session.records) + 1}.log"
     status, seconds = run_bounded(argv_child, deadline - time.monotonic(), log=log)
     tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
-    session.record(" ".join(rest) or args.mode, status + (f" ({tail[0][:200]})" if tail else ""), seconds)
+    session.record(" ".join(rest) or args.mode, status + (f" ({tail[0]})" if tail else ""), seconds)
     return 0 if status == "ran" else 1
 
 
