@@ -203,7 +203,7 @@ def demo_ranks(world_size: int, facts: dict, global_batch: int, size: str) -> De
 
 def ratio_interval(numerator: list[float], denominator: list[float], **bootstrap) -> tuple[float, float]:
     """The interval of median(numerator) / median(denominator) that both medians' bootstrap intervals allow."""
-    from helpers.measure.claims import median_interval
+    from helpers.measure.advice import median_interval
 
     n_lo, n_hi = median_interval(numerator, **bootstrap)
     d_lo, d_hi = median_interval(denominator, **bootstrap)
