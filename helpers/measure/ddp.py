@@ -210,20 +210,6 @@ def ratio_interval(numerator: list[float], denominator: list[float], **bootstrap
     return n_lo / d_hi, n_hi / d_lo
 
 
-# ----------------------------------------------------------------------------------------------- around the workers
-
-
-def payload_counted(body, device, *args, **kwargs) -> dict:
-    """Run a worker body (`body(device, ...)`, as the script's `run_distributed` calls it) with a
-    `PayloadCounter` on: {"result": what it returned, "bytes": every byte it handed to dist.all_reduce}.
-
-    Why a wrapper: the body stays plain PyTorch; the counting wraps it from outside, in the worker's process.
-    """
-    with PayloadCounter() as wire:
-        result = body(device, *args, **kwargs)
-    return {"result": result, "bytes": wire.bytes}
-
-
 def percent_change(new_times: list[float], old_times: list[float]) -> tuple[float, tuple[float, float]]:
     """100 x (median(new) / median(old) - 1): how much longer (or, for rates, larger) `new` is, in percent, with
     the interval (in percent) that the two medians' bootstrap intervals allow. Pass 1/rate lists for speeds."""
