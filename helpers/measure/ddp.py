@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from helpers import torch_private
 from helpers.devices import cpu_ranks_env
 
 MIB = 1024 * 1024
@@ -53,7 +54,7 @@ def greedy_buckets(sizes: list[int], limits: list[int]) -> list[list[int]]:
 def bucket_limits(bucket_cap_mb: float | None) -> list[int]:
     """The byte limits DDP uses when it rebuilds its buckets: a small first bucket only for the default cap."""
     if bucket_cap_mb is None:
-        return [dist._DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MIB]
+        return [torch_private.default_first_bucket_bytes, DEFAULT_BUCKET_CAP_MB * MIB]
     return [int(bucket_cap_mb * MIB)]
 
 
