@@ -37,11 +37,6 @@ PRIVATE = {
         "helpers/measure/comm_log.py (the group size of a functional collective)",
         "a functional collective (DTensor's redistribute) carries its group by name; no public API maps a group "
         "name to its ProcessGroup"),
-    "tree_flatten": PrivateAPI(
-        "torch.utils._pytree", "tree_flatten",
-        "helpers/measure/activations.py",
-        "torch has no public pytree module in 2.11 to 2.13 (a short recursion over lists, tuples and dicts would "
-        "do instead)"),
     "record_memory_history": PrivateAPI(
         "torch.cuda.memory", "_record_memory_history",
         "helpers/measure/memory.py (cuda_step_snapshot)",

@@ -96,12 +96,6 @@ def test_the_median_interval_contains_the_median_and_narrows_with_more_samples()
     assert median_interval([3.0, 1.0]) == (1.0, 3.0)
 
 
-def test_the_old_import_path_is_the_same_function():
-    from helpers.measure import claims
-
-    assert claims.verdict is verdict and claims.median_interval is advice.median_interval
-
-
 @pytest.mark.parametrize("placement, answer", [
     ((7, 5, 10), "holds"), ((0.5, 5, 10), "does not hold"), ((40, 5, 10), "does not hold"),
     ((None, 5, 10), "not comparable here")])

@@ -261,26 +261,6 @@ def test_step_times_counts_buckets_and_keeps_variants_comparable(grouped):
     assert not torch.equal(ranks[0]["no_sync"]["params"], ranks[1]["no_sync"]["params"]), "no_sync: local steps"
 
 
-def _counted_body(device, n):
-    for _ in range(n):
-        dist.all_reduce(torch.ones(5, device=device))
-    return "done"
-
-
-def _in_group(body, *args):
-    dist.init_process_group("gloo")
-    try:
-        return body(torch.device("cpu"), *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_payload_counted_wraps_a_body_from_outside():
-    out = helpers.launch(_in_group, functools.partial(measure_ddp.payload_counted, _counted_body), 3, world_size=2,
-                         timeout=60)
-    assert out == [{"result": "done", "bytes": 3 * 5 * 4}] * 2
-
-
 def test_loader_throughput_reports_every_setting_and_repeat():
     settings = {"inline": {}, "one worker": {"num_workers": 1, "persistent_workers": True}}
     rates = helpers.launch(_train_ddp().loader_throughput, settings, 32, 3, 2, world_size=1, timeout=120)[0]

@@ -81,6 +81,17 @@ def test_functions_from_the_cells_or_scripts_pass(tmp_path, scripts_dir):
     assert launch_problems(launches) == []
 
 
+def test_a_function_of_the_cells_named_run_is_a_plain_call_not_a_launch(tmp_path, scripts_dir):
+    worker = ("def worker(device, n):\n    def run(name, model):\n        return name\n"
+              "    return run(f'step {n}', None)\n")
+    assert launched_functions(code_cells(json.loads(_notebook(tmp_path, worker).read_text())),
+                              scripts_dir=scripts_dir) == []
+    # a method called run is still a launcher, whatever the cells define
+    planted = _notebook(tmp_path, worker + "from helpers.measure import precision\npools = {}\n"
+                                           "pools[2].run(precision.time_precisions)", name="98_planted.ipynb")
+    assert _problems(planted, scripts_dir) == ["precision.time_precisions"]
+
+
 def test_the_core_notebook_that_launches_helpers_misses_its_target(tmp_path):
     row = notebook_stats(_notebook(tmp_path, "from helpers.measure import ddp\nhelpers.launch(ddp.step_times)"))
     assert row["helper_launches"] == ["ddp.step_times"] and row["core"]

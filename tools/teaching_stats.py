@@ -22,7 +22,7 @@ import ast
 import json
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +207,8 @@ def launched_functions(cells: list[str], written: set[str] = frozenset(), script
         if not isinstance(node, ast.Call):
             continue
         name = _name(node.func)
+        if isinstance(node.func, ast.Name) and name in b.defined:
+            continue  # the cells' own function that happens to be called run or launch: a plain call
         if name in LAUNCHERS:
             for arg in _launched_args(node):
                 if not _is_function_reference(arg):

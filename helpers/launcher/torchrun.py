@@ -40,7 +40,7 @@ def torchrun_lines(script: str, nproc: str = "gpu", nodes: int = 2, endpoint: st
             f"srun --nodes={nodes} --ntasks-per-node=1 " + multi.replace(
                 endpoint, '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p):29500').replace(
                 "$JOB_ID", "$SLURM_JOB_ID") + "\n"
-            "# (torchrun replaced `python -m torch.distributed.launch`, which the articles use: it sets RANK and\n"
+            "# (torchrun replaced `python -m torch.distributed.launch`, which older recipes use: it sets RANK and\n"
             "#  LOCAL_RANK in the environment instead of passing --local_rank, and restarts failed workers.)")
 
 

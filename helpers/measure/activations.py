@@ -20,12 +20,21 @@ import weakref
 
 import torch
 from helpers.torch_private import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+
+def _tensors(tree) -> list:
+    """The tensors in an op's arguments or result: nested lists, tuples and dict values (what ops hand over)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    return []
 
 
 def _storages(tree) -> list:
-    return [t.untyped_storage() for t in tree_flatten(tree)[0]
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    return [t.untyped_storage() for t in _tensors(tree) if t.device.type != "meta"]
 
 
 class LiveTensorBytes(TorchDispatchMode):

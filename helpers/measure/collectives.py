@@ -529,20 +529,6 @@ def format_ceilings(ceilings: dict) -> str:
     return "\n".join(lines)
 
 
-def latency_and_bandwidth(rows: list[dict]) -> dict:
-    """The two figures a backend table quotes, from one collective's records: latency (ms, the median
-    time of the smallest message) and bandwidth (GB/s, the best busbw), each as (median, bootstrap interval of the
-    median over the repeats), and the context they were measured in."""
-    from helpers.measure.claims import median_interval
-
-    small, best = smallest(rows), peak(rows)
-    return {"latency_ms": (small["median_s"] * 1e3, tuple(t * 1e3 for t in median_interval(small["times_s"]))),
-            "bandwidth_GBps": (best["busbw"] / GB, tuple(sorted(best["size_bytes"] * best["factor"] / t / GB
-                                                                for t in median_interval(best["times_s"])))),
-            "context": f"{best['world_size']} ranks, {best['device']} tensors, {best['collective']} of "
-                       f"{human_bytes(small['size_bytes'])}..{human_bytes(max(r['size_bytes'] for r in rows))}"}
-
-
 def share_of_peak(rows: list[dict]) -> tuple[float, tuple[float, float]]:
     """The smallest message's busbw as a % of the best busbw among `rows`: (median, (slowest repeat, fastest))."""
     small, best = smallest(rows), peak(rows)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from helpers import torch_private
 from helpers.devices import cpu_ranks_env
 
 MIB = 1024 * 1024
@@ -53,7 +54,7 @@ def greedy_buckets(sizes: list[int], limits: list[int]) -> list[list[int]]:
 def bucket_limits(bucket_cap_mb: float | None) -> list[int]:
     """The byte limits DDP uses when it rebuilds its buckets: a small first bucket only for the default cap."""
     if bucket_cap_mb is None:
-        return [dist._DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MIB]
+        return [torch_private.default_first_bucket_bytes, DEFAULT_BUCKET_CAP_MB * MIB]
     return [int(bucket_cap_mb * MIB)]
 
 
@@ -203,25 +204,11 @@ def demo_ranks(world_size: int, facts: dict, global_batch: int, size: str) -> De
 
 def ratio_interval(numerator: list[float], denominator: list[float], **bootstrap) -> tuple[float, float]:
     """The interval of median(numerator) / median(denominator) that both medians' bootstrap intervals allow."""
-    from helpers.measure.claims import median_interval
+    from helpers.measure.advice import median_interval
 
     n_lo, n_hi = median_interval(numerator, **bootstrap)
     d_lo, d_hi = median_interval(denominator, **bootstrap)
     return n_lo / d_hi, n_hi / d_lo
-
-
-# ----------------------------------------------------------------------------------------------- around the workers
-
-
-def payload_counted(body, device, *args, **kwargs) -> dict:
-    """Run a worker body (`body(device, ...)`, as the script's `run_distributed` calls it) with a
-    `PayloadCounter` on: {"result": what it returned, "bytes": every byte it handed to dist.all_reduce}.
-
-    Why a wrapper: the body stays plain PyTorch; the counting wraps it from outside, in the worker's process.
-    """
-    with PayloadCounter() as wire:
-        result = body(device, *args, **kwargs)
-    return {"result": result, "bytes": wire.bytes}
 
 
 def percent_change(new_times: list[float], old_times: list[float]) -> tuple[float, tuple[float, float]]:

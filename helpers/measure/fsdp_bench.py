@@ -58,7 +58,7 @@ def eager_ratios(bench: dict) -> dict[str, dict[str, float | tuple[float, float]
     median (`claims.median_interval`), the spread a verdict on a target takes."""
     import statistics
 
-    from helpers.measure.claims import median_interval
+    from helpers.measure.advice import median_interval
 
     out = {}
     for label, by_base in bench["ratios"].items():

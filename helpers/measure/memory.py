@@ -174,14 +174,16 @@ def cuda_step_snapshot(build, loss_of, device, path: str) -> dict:
 
     import torch.distributed as dist
 
+    from helpers.torch_private import dump_memory_snapshot, memory_snapshot, record_memory_history
+
     device = torch.device(device)
     model = build()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     for step in range(2):
         if step == 1:
             torch.cuda.synchronize(device)
-            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES, stacks="python",
-                                                     device=device, clear_history=True)
+            record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES, stacks="python", device=device,
+                                  clear_history=True)
             torch.cuda.reset_peak_memory_stats(device)
         loss_of(model).backward()
         optimizer.step()
@@ -190,10 +192,10 @@ def cuda_step_snapshot(build, loss_of, device, path: str) -> dict:
             state = sum(allocated_state_bytes(model, optimizer, CUDA_BLOCK_BYTES).values())
         optimizer.zero_grad()
     writer = not dist.is_initialized() or dist.get_rank() == 0
-    snapshot = torch.cuda.memory._snapshot(device)
+    snapshot = memory_snapshot(device)
     events = sum(len(trace) for trace in snapshot["device_traces"])
     if writer:
-        torch.cuda.memory._dump_snapshot(path)
-    torch.cuda.memory._record_memory_history(enabled=None, device=device)
+        dump_memory_snapshot(path)
+    record_memory_history(enabled=None, device=device)
     return {"peak": torch.cuda.max_memory_allocated(device), "state": state, "events": events,
             "path": path if writer else None, "file_bytes": os.path.getsize(path) if writer else None}

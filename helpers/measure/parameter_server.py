@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from helpers.measure.claims import median_interval
+from helpers.measure.advice import median_interval
 
 
 def interval_rates(run: dict) -> list[float]:

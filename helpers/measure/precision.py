@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from helpers.measure import claims
+from helpers.measure import advice
 from helpers.devices import synchronize
 
 # Significand bits (stored, without the implicit one) of each format: the closed form of its precision.
@@ -200,7 +200,7 @@ def step_seconds(fn, device: torch.device) -> tuple[object, float]:
 
 def ratio_with_noise(ratios) -> dict:
     """{'median', 'low', 'high'}: the median of ratios taken side by side, and the bootstrap interval of it."""
-    low, high = claims.median_interval(ratios)
+    low, high = advice.median_interval(ratios)
     return {"median": statistics.median(ratios), "low": low, "high": high}
 
 
@@ -341,7 +341,7 @@ def print_h100_targets(speedup: dict, targets: dict[str, float], gpu_name: str) 
     for m, target in targets.items():
         s = speedup.get(m)
         print(f"{m} over eager fp32 (TF32 off), target {target}x on an H100: " + ("not measured (COMPILE=False)" if s
-              is None else claims.verdict(s["median"], target, None, unit="x", spread=(s["low"], s["high"]),
+              is None else advice.verdict(s["median"], target, None, unit="x", spread=(s["low"], s["high"]),
                                           applicable=("H100" in gpu_name),
                                           reason=f"the target is for an H100; this GPU: {gpu_name}")))
 
