@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from helpers.measure.pipeline import (LiveSavedBytes, bubble_formula, bubble_table, ir_report, measured_idle_fraction,
+from helpers.measure.activations import LiveSavedBytes
+from helpers.measure.pipeline import (bubble_formula, bubble_table, ir_report, measured_idle_fraction,
                                       orders_from_ir, orders_from_log, peaks_table, replay, step_seconds,
                                       summarize_runs)
 

@@ -13,9 +13,13 @@ Two honest measures instead:
 - `SavedActivations`: the bytes autograd keeps for backward (the pack hook of `saved_tensors_hooks`), counted
   once per storage, parameters aside (they are held anyway). This is the "activation memory" that checkpointing
   trades for recomputation, and that data parallelism (DDP or FSDP) does not shard.
+- `LiveSavedBytes`: the bytes autograd holds for backward at each moment, released when autograd drops them, and
+  their peak: what a pipeline schedule keeps in flight (GPipe all micro-batches, 1F1B at most p - s on stage s).
+Three jobs, three meters, one module.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -149,3 +153,67 @@ def checkpointing_summary(ac: dict) -> str:
             f"(exactly {ac['n_layers']} x (one block's {ac['one_block_saved'] / mib:.2f} MiB - its "
             f"{ac['block_input_bytes'] / mib:.2f} MiB input) removed); {ac['peak_label']} "
             f"{ac['peak_bytes'][False] / mib:.2f} -> {ac['peak_bytes'][True] / mib:.2f} MiB")
+
+
+class _Saved:
+    """What the pack hook hands autograd: the tensor, and a release of its bytes when autograd lets it go."""
+
+    __slots__ = ("tensor", "_release")
+
+    def __init__(self, tensor, release):
+        self.tensor, self._release = tensor, release
+
+    def __del__(self):
+        self._release()
+
+
+class LiveSavedBytes:
+    """Bytes of tensors autograd holds for backward at one moment, and the peak, parameters excluded.
+
+    A saved tensor is counted (its own elements, `numel * element_size`, so a micro-batch that is a view of the
+    batch counts its part only) from the moment it is saved (the pack hook of `saved_tensors_hooks`) until
+    autograd drops it (after the backward that used it, or when its graph is freed). A tensor saved by two ops
+    counts twice: the measure is what each op keeps, identical for every micro-batch of one stage, so that a
+    schedule's peak is an exact multiple of one micro-batch's. Works on CPU and counts activations only.
+
+    Why not the other two meters of this module: `SavedActivations` adds up what a forward saves (each storage
+    once, by its whole storage's bytes, never released), so GPipe and 1F1B, which save the same tensors in another
+    order, read the same; `LiveTensorBytes` also counts gradients and temporaries, so a peak is no multiple of a
+    micro-batch's saved bytes. A schedule's activation peak needs what is held at each moment, released when
+    autograd drops it, counted by the saved tensor's own elements (a micro-batch is a view of the batch's storage).
+
+        meter = LiveSavedBytes()
+        with meter:
+            schedule.step(...)
+        meter.peak
+    """
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+        self._hooks = None
+
+    def _release(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+    def _pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if isinstance(base, torch.nn.Parameter) or t.device.type == "meta":
+            return t
+        nbytes = t.numel() * t.element_size()
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        return _Saved(t, functools.partial(self._release, nbytes))
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def __enter__(self) -> "LiveSavedBytes":
+        self.current = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

@@ -10,9 +10,8 @@ clock where every action takes one slot (or the costs given) and each action wai
 (F of a micro-batch on the previous stage, B on the next stage): the idle slots it counts are the schedule's
 bubble, to compare with the closed form (p - 1)/(v·m + p - 1). The recorded times give the measured idle time.
 
-`LiveSavedBytes` counts the bytes autograd holds for backward at each moment (saved tensors packed and not yet
-released) and keeps the peak: the activation memory that distinguishes GPipe (all m micro-batches in flight) from
-1F1B (at most p - s on stage s).
+The bytes a schedule keeps for backward are counted by `helpers.measure.activations.LiveSavedBytes` (the
+activation memory that distinguishes GPipe, all m micro-batches in flight, from 1F1B, at most p - s on stage s).
 """
 from __future__ import annotations
 
@@ -184,67 +183,3 @@ def peaks_table(rows: list[dict], schedules: tuple[str, ...]) -> str:
         lines.append(f"{m:>3} " + " ".join(f"{format(peak[(n, m, s)], ',') if (n, m, s) in peak else '-':>14}"
                                            for s in ranks for n in schedules))
     return "\n".join(lines)
-
-
-class _Saved:
-    """What the pack hook hands autograd: the tensor, and a release of its bytes when autograd lets it go."""
-
-    __slots__ = ("tensor", "_release")
-
-    def __init__(self, tensor, release):
-        self.tensor, self._release = tensor, release
-
-    def __del__(self):
-        self._release()
-
-
-class LiveSavedBytes:
-    """Bytes of tensors autograd holds for backward at one moment, and the peak, parameters excluded.
-
-    A saved tensor is counted (its own elements, `numel * element_size`, so a micro-batch that is a view of the
-    batch counts its part only) from the moment it is saved (the pack hook of `saved_tensors_hooks`) until
-    autograd drops it (after the backward that used it, or when its graph is freed). A tensor saved by two ops
-    counts twice: the measure is what each op keeps, identical for every micro-batch of one stage, so that a
-    schedule's peak is an exact multiple of one micro-batch's. Works on CPU and counts activations only.
-
-    Why not `helpers.measure.activations`' meters: `SavedActivations` adds up what a forward saves (each storage
-    once, by its whole storage's bytes, never released), so GPipe and 1F1B, which save the same tensors in another
-    order, read the same; `LiveTensorBytes` also counts gradients and temporaries, so a peak is no multiple of a
-    micro-batch's saved bytes. A schedule's activation peak needs what is held at each moment, released when
-    autograd drops it, counted by the saved tensor's own elements (a micro-batch is a view of the batch's storage).
-
-        meter = LiveSavedBytes()
-        with meter:
-            schedule.step(...)
-        meter.peak
-    """
-
-    def __init__(self):
-        self.current = 0
-        self.peak = 0
-        self._hooks = None
-
-    def _release(self, nbytes: int) -> None:
-        self.current -= nbytes
-
-    def _pack(self, t: torch.Tensor):
-        base = t._base if t._base is not None else t
-        if isinstance(base, torch.nn.Parameter) or t.device.type == "meta":
-            return t
-        nbytes = t.numel() * t.element_size()
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-        return _Saved(t, functools.partial(self._release, nbytes))
-
-    @staticmethod
-    def _unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def __enter__(self) -> "LiveSavedBytes":
-        self.current = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
