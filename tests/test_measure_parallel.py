@@ -1,6 +1,5 @@
 """helpers.measure.parallel turns what a tensor-parallel model computed into plain numbers: equal to the unsplit
-model's outputs and gradients, the bytes each rank holds, the collectives per module, and where every element
-lives. Real processes (2 CPU ranks, gloo) through helpers.launch."""
+model's outputs and gradients, the bytes each rank holds, and the collectives per module. Real processes (2 CPU ranks, gloo) through helpers.launch."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +8,7 @@ from helpers.launcher import launch
 from helpers.measure import parallel
 
 
-def _tp_mlp_report(report, element_owners):
+def _tp_mlp_report(report):
     import gc
 
     import torch
@@ -36,7 +35,6 @@ def _tp_mlp_report(report, element_owners):
             out = model(x)
             out.sum().backward()
         result = report(model, out, reference, ref_out, comm)
-        result["layout"] = element_owners(model)
         del model, out, comm, mesh
         return result
     finally:
@@ -45,19 +43,14 @@ def _tp_mlp_report(report, element_owners):
 
 
 @pytest.mark.timeout(120)
-def test_tp_report_and_element_owners_on_a_column_then_row_parallel_mlp():
-    results = launch(_tp_mlp_report, parallel.tp_report, parallel.element_owners, world_size=2)
+def test_tp_report_on_a_column_then_row_parallel_mlp():
+    results = launch(_tp_mlp_report, parallel.tp_report, world_size=2)
     for r in results:
         assert r["logits_close"] and r["grads_close"] and r["logits_gap"] < 1e-5 and r["grad_gap"] < 1e-5
         # w1 (8x4) and its bias split by rows, w2 (4x8) by columns; w2's bias (4) whole on each rank
         assert r["local_param_bytes"] == 4 * ((8 * 4 + 8 + 4 * 8) // 2 + 4)
         assert r["placements"]["0.weight"] == "(Shard(dim=0),)" and r["placements"]["2.bias"] == "(Replicate(),)"
         assert r["total"] == {"all_reduce": 1}  # the row-parallel layer's partial sums, once, in forward
-        assert r["layout"]["layout_ok"]
-        assert r["layout"]["shapes"]["0.weight"] == (8, 4) and r["layout"]["placements"]["2.bias"] == "(Replicate(),)"
-    for name, numel, copies in (("0.weight", 32, 1), ("2.weight", 32, 1), ("2.bias", 4, 2)):
-        held = sorted(i for r in results for i in r["layout"]["owners"][name].tolist())
-        assert held == sorted(list(range(numel)) * copies), name
 
 
 
@@ -71,3 +64,39 @@ def test_tp_table_prints_each_setting_with_its_gaps_and_block_zero_collectives()
     assert lines[1] == "  collectives of block 0: forward {'all_reduce': 2}, backward {}"
     assert lines[2] == "  whole step: {'all_reduce': 7}"
     assert lines[4] == "  collectives of block 0: forward {}, backward {}"
+
+
+def _two_all_reduces(step_collectives):
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        t = torch.ones(256)
+        return step_collectives(lambda: [dist.all_reduce(t) for _ in range(2)])
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_step_collectives_counts_the_calls_and_bytes_of_the_step_it_is_handed():
+    for r in launch(_two_all_reduces, parallel.step_collectives, world_size=2):
+        assert list(r["collectives"]) == ["all_reduce"] and r["collectives"]["all_reduce"]["calls"] == 2
+        # a ring all-reduce of B bytes sends 2 (w - 1) / w * B per rank: B on 2 ranks, twice
+        assert r["bytes_sent"] == r["collectives"]["all_reduce"]["ring_bytes"] == 2 * 256 * 4
+
+
+def test_graph_counter_counts_each_graph_and_refuses_an_unknown_backend():
+    import torch
+
+    counter = parallel.GraphCounter("eager")
+    eager = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    x = torch.randn(2, 3)
+    out = torch.compile(eager, backend=counter)(x)
+    assert len(counter.graphs) == 1 and counter.graphs[0] >= 3  # at least the input, a module's call, the output
+    assert torch.allclose(out, eager(x)), "the wrapped backend still compiles the graph it counted"
+    with pytest.raises(ValueError, match="unknown torch.compile backend"):
+        parallel.GraphCounter("no-such-backend")

@@ -1,17 +1,13 @@
 """Measuring notebook 07's parallel models against their references: what a tensor-parallel model computed beside
-one process's, where each element of a 2-D-sharded parameter lives, what TP and FSDP send and take per step, and a
-compiled model beside its eager twin.
+one process's, what TP and FSDP send and take per step, and a compiled model beside its eager twin.
 
 Why a module: the notebook's workers build the models (the `parallelize_module`, the `fully_shard`, the
 `torch.compile` the reader copies); turning what they built into comparable plain numbers (largest gaps, bytes
-held, collective counts per module, timing loops, graph counts) is bookkeeping that would bury that code. The
-workers take these functions as arguments, so they stay free of `helpers` and run unchanged under torchrun;
-`step_cost` and `compiled_vs_eager` are bodies for the recipe's `run_distributed` (which makes the process group and
-passes the device) and take the rest of the recipe (the model, the batch, the parallelisms) as arguments.
+held, collective counts, graph counts) is bookkeeping that would bury that code. The workers are the notebook's;
+they take these functions (and `GraphCounter`, a counting compile backend) as arguments, so they import nothing
+from `helpers`; the tables turn their returned values into lines in the kernel.
 """
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -62,62 +58,22 @@ def tp_table(reports: dict) -> str:
     return "\n".join(lines)
 
 
-def element_owners(model) -> dict:
-    """Where every element of a DTensor model lives, seen from this rank: `owners` {name: the global flat indices
-    of the elements this rank holds (an index tensor distributed with the parameter's own mesh and placements)},
-    `layout_ok` (that recipe reproduces each parameter's local shard, checked on the parameter itself), and each
-    parameter's `placements` (str) and global `shapes`. Call `model.reshard()` first under FSDP2."""
-    from torch.distributed.tensor import distribute_tensor
-
-    owners, layout_ok = {}, True
-    for name, p in model.named_parameters():
-        index = torch.arange(p.numel(), dtype=torch.float32, device=p.device).view(p.shape)
-        owners[name] = distribute_tensor(index, p.device_mesh, p.placements).to_local().long().flatten().cpu()
-        mine = distribute_tensor(p.detach().full_tensor(), p.device_mesh, p.placements).to_local()
-        layout_ok &= torch.equal(mine, p.to_local())
-    return {"owners": owners, "layout_ok": layout_ok,
-            "placements": {n: str(p.placements) for n, p in model.named_parameters()},
-            "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
-
-
-def step_cost(device, make_model, get_batch, apply_tp, apply_fsdp, parallel_loss, batch: int, repeats: int) -> dict:
-    """In every rank, inside a process group (`run_distributed(step_cost, ...)`): one training step's collectives
-    (calls, ring bytes) and `repeats` timed steps, TP over all ranks against FSDP over all ranks at the same global
-    batch (TP: every rank the whole batch; FSDP: each rank its part). `make_model()` builds the model from the
-    current seed; `get_batch(n, generator)` gives (x, y). Returns plain values."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-
+def step_collectives(step) -> dict:
+    """One call of `step()` under a `CollectiveLog`, as plain values: `collectives` {kind: {"calls", "ring_bytes"}}
+    and `bytes_sent` (ring bytes this rank sends). A worker takes it as an argument and hands it its step."""
     from helpers.measure.comm_log import CollectiveLog
-    from helpers.measure.timing import time_steps
 
-    world, out = dist.get_world_size(), {}
-    for strategy in ("tp", "fsdp"):
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=(strategy,))
-        torch.manual_seed(0)
-        model = make_model().to(device)
-        gen = torch.Generator().manual_seed(0 if strategy == "tp" else dist.get_rank())
-        x, y = (t.to(device) for t in get_batch(batch * world if strategy == "tp" else batch, gen))
-        if strategy == "tp":
-            model = apply_tp(model, mesh)
-            step = lambda: parallel_loss(model(x), y)  # noqa: E731
-        else:
-            model = apply_fsdp(model, mesh)
-            step = lambda: F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()  # noqa: E731
+    log = CollectiveLog()
+    with log:
         step()
-        log = CollectiveLog()
-        with log:
-            step()
-        out[strategy] = {"collectives": {kind: {"calls": v["calls"], "ring_bytes": log.ring_bytes_sent(kind)}
-                                         for kind, v in log.summary().items()},
-                         "bytes_sent": log.ring_bytes_sent(), "seconds": time_steps(step, repeats, device=device)}
-        del model, step
-    return out
+    return {"collectives": {kind: {"calls": v["calls"], "ring_bytes": log.ring_bytes_sent(kind)}
+                            for kind, v in log.summary().items()},
+            "bytes_sent": log.ring_bytes_sent()}
 
 
 def cost_table(cost: dict) -> str:
-    """`step_cost`'s result as one line per strategy: median step time, bytes sent per rank, calls per kind."""
+    """{strategy: `step_collectives`' values and "seconds" (timed steps)} as one line per strategy: median step
+    time, bytes sent per rank, calls per kind."""
     from helpers.measure.timing import summarize
 
     lines = []
@@ -129,52 +85,30 @@ def cost_table(cost: dict) -> str:
     return "\n".join(lines)
 
 
-def compiled_vs_eager(device, compiled_and_eager, get_batch, batch: int, backend: str, repeats: int,
-                      kinds=("plain", "DDP", "FSDP2")) -> dict:
-    """In every rank, inside a process group (`run_distributed(compiled_vs_eager, ...)`): for each kind,
-    `compiled_and_eager(kind, counting_backend, device)` returns a compiled model and its eager twin (same weights);
-    measured: the graphs the compiler was handed (node counts), the first step's seconds (it compiles), both models'
-    gradients after one step (close at rtol = atol = 1e-4, and the largest gap), and `repeats` timed steps of each.
-    Returns plain values."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
+class GraphCounter:
+    """A `torch.compile` backend that records the node count of every graph it is handed (Dynamo's, or each piece
+    DDPOptimizer cuts at DDP's bucket boundaries) and compiles it with the named `backend`. A worker takes one as an
+    argument (each rank gets its own copy), clears `graphs` and passes it to `torch.compile(..., backend=counter)`.
 
-    from helpers.measure.timing import time_steps
+    torch.compile takes a backend's name or a callable, and no public API turns a name into its callable: the
+    wrapped one comes from helpers.torch_private ("lookup_backend")."""
 
-    x, y = (t.to(device) for t in get_batch(batch, torch.Generator().manual_seed(dist.get_rank())))
-    graphs: list[int] = []
+    def __init__(self, backend: str):
+        known = torch.compiler.list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(f"unknown torch.compile backend {backend!r}; this torch has {known}")
+        self.backend, self.graphs = backend, []
 
-    def counting(gm, example_inputs):  # sees every graph Dynamo (and DDPOptimizer) hands over
-        graphs.append(len(gm.graph.nodes))
-        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+    def __call__(self, gm, example_inputs):
+        from helpers.torch_private import resolve
 
-    def step(model):
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-
-    def grads_after_step(model):
-        step(model)
-        return [full(p.grad).clone() for p in model.parameters()]
-
-    out = {}
-    for kind in kinds:
-        torch._dynamo.reset()
-        graphs.clear()
-        compiled, eager = compiled_and_eager(kind, counting, device)
-        start = time.perf_counter()
-        got = grads_after_step(compiled)  # the first call compiles
-        first = time.perf_counter() - start
-        want = grads_after_step(eager)
-        out[kind] = {"graphs": list(graphs), "first_step_s": first,
-                     "close": all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, want)),
-                     "gap": max((a - b).abs().max().item() for a, b in zip(got, want)),
-                     "compiled_s": time_steps(lambda: step(compiled), repeats, warmup=1, device=device),
-                     "eager_s": time_steps(lambda: step(eager), repeats, warmup=1, device=device)}
-        del compiled, eager
-    return out
+        self.graphs.append(len(gm.graph.nodes))
+        return resolve("lookup_backend")(self.backend)(gm, example_inputs)
 
 
 def compile_table(result: dict) -> str:
-    """`compiled_vs_eager`'s result for one rank as one line per kind."""
+    """One rank's {kind: "graphs" (a `GraphCounter`'s node counts), "first_step_s", "gap", "compiled_s", "eager_s"}
+    as one line per kind."""
     from helpers.measure.timing import summarize
 
     lines = []
