@@ -1,6 +1,6 @@
 """'Take it to your project': a script from scripts/ run under torchrun from a notebook cell, and the lines to type.
 
-(The scripts themselves are made of the notebooks' cells: `helpers.export`.)
+(The scripts themselves are made of the notebooks' cells: `tools/export.py`.)
 
 Running it: its output live in the cell, a timeout, nothing left behind.
 
