@@ -239,7 +239,7 @@ def main():
     parser.add_argument("--ckpt-dir", default="checkpoints", help="committed checkpoints; every node must reach it")
     parser.add_argument("--total-steps", type=int, default=200, help="train until this step, across resumes")
     parser.add_argument("--save-every", type=int, default=50)
-    parser.add_argument("--d-model", type=int, help="default: 512 on GPUs, 128 on CPUs (about a minute on two cores)")
+    parser.add_argument("--d-model", type=int, help="default: 512 on GPUs, 128 on CPUs (a minute or two on two cores)")
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--log-every", type=int, default=10, help="rank 0 prints step, loss, time (0: never)")

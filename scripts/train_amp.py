@@ -2,7 +2,7 @@
 # Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 train_amp.py --help
 """AMP training with torch.amp: bf16 autocast, or fp16 autocast with a GradScaler, optionally torch.compile'd,
 data-parallel over the ranks with DDP. The loss is computed on float32 logits. Defaults fit the device: a ~100M
-GPT on GPUs, a small one that trains in about a minute on two CPU cores; rank 0 logs every --log-every steps.
+GPT on GPUs, a small one that trains in under a minute on two CPU cores; rank 0 logs every --log-every steps.
 
     torchrun --standalone --nproc-per-node=2 train_amp.py --dtype bf16 --steps 50
 
@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# main()'s defaults per device: a compute-bound ~100M GPT on a GPU; about a minute of 200 steps on two CPU cores
+# main()'s defaults per device: a compute-bound ~100M GPT on a GPU; under a minute of 200 steps on two CPU cores
 MAIN_DEFAULTS = {"cuda": dict(batch=32, seq_len=256, d_model=1024, layers=8, heads=16, lr=3e-4),
                  "cpu": dict(batch=8, seq_len=64, d_model=128, layers=2, heads=4, lr=1e-3)}
 

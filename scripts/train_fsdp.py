@@ -7,7 +7,7 @@
 
 Plain PyTorch and the standard library only: the corpus is CPython's language reference (pydoc_data), one token per
 character. Every rank starts from the same weights (one seed) and draws its own batches (a seed per rank). The
-defaults train in about a minute on two CPU cores; rank 0 logs every --log-every steps.
+defaults take a minute or two on two CPU cores; rank 0 logs every --log-every steps, with the time left.
 
 For a project: scripts/train/ adds meta-device init, a GPT, HSDP at any degree, bf16 with clipping, warm-up and
 cosine decay, evaluation and DCP checkpoints: `torchrun --standalone --nproc-per-node=2 scripts/train/train.py`.
