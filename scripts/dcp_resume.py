@@ -9,7 +9,11 @@ CPUs; on GPUs within float rounding). At another world size the model, optimizer
 (so the evaluation loss on any batch is that of the saved model), but training goes on along another trajectory:
 DistributedSampler cuts the data into other shards, the global batch is --batch times the new world size, the
 dropout masks are keyed by rank, and the loader's saved position (batches drawn per rank) points elsewhere in the
-new shards."""
+new shards. Rank 0 logs every --log-every steps, with the time left at this pace.
+
+For a project: scripts/train/ adds meta-device init, a GPT at any layout (DDP, HSDP, TP, pipeline), a sampler that
+resumes in the same data order at any layout, SIGTERM saves, and export to one file: `scripts/train/train.py`.
+"""
 import argparse
 import gc
 import json
@@ -166,10 +170,11 @@ def commit_when_written(future, step, ckpt_dir, keep):
 
 
 def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=2, crash_at=None, d_model=128,
-                          n_layers=2, batch=8, seed=0):
+                          n_layers=2, batch=8, seed=0, log_every=0):
     """Train to `total_steps`, resuming from the newest committed checkpoint under `ckpt_dir` if there is one.
     `crash_at`: the last rank SIGKILLs itself after that step, on torchrun's first attempt only. Each rank
-    appends its losses to ckpt_dir/losses.rank<r>.jsonl, which outlives a killed process. Returns plain values."""
+    appends its losses to ckpt_dir/losses.rank<r>.jsonl, which outlives a killed process; rank 0 prints its loss,
+    the elapsed and the estimated remaining seconds every `log_every` steps (0: never). Returns plain values."""
     rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     os.makedirs(ckpt_dir, exist_ok=True)
     app = build(device, d_model, n_layers, batch, total_steps, seed)
@@ -180,6 +185,7 @@ def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=
     if rank == 0:
         clear_staging(ckpt_dir)
     dist.barrier()  # the debris is gone before any rank stages a save
+    start = time.perf_counter()
     with open(Path(ckpt_dir) / f"losses.rank{rank}.jsonl", "a", buffering=1) as log:  # each line written at once
         while app.step < total_steps:
             app.loader.sampler.set_epoch(app.epoch)  # this epoch's order, a loaded epoch's too
@@ -189,6 +195,12 @@ def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=
                 loss = train_step(app, x, y, device, seed)
                 losses[app.step] = loss
                 print(json.dumps(dict(step=app.step, loss=loss, attempt=attempt, time=time.time())), file=log)
+                if rank == 0 and log_every and (app.step % log_every == 0
+                                                or app.step in (resumed_from + 1, total_steps)):
+                    took = time.perf_counter() - start
+                    left = took / (app.step - resumed_from) * (total_steps - app.step)
+                    print(f"step {app.step:>5}/{total_steps}  loss {loss:.4f}  {took:.1f} s, about {left:.0f} s left",
+                          flush=True)
                 save_now = app.step % save_every == 0 or app.step == total_steps
                 if pending is not None and (save_now or pending[0].done()):
                     commit_when_written(*pending, ckpt_dir, keep)
@@ -211,6 +223,8 @@ def train_from_checkpoint(ckpt_dir, device, total_steps=40, save_every=10, keep=
 def train(ckpt_dir, **options):
     """The worker: every torch object lives in train_from_checkpoint and is freed before the group is destroyed."""
     device = init_distributed()
+    if "d_model" in options and options["d_model"] is None:  # main()'s default: what fits this device
+        options["d_model"] = 512 if device.type == "cuda" else 128
     try:
         return train_from_checkpoint(ckpt_dir, device, **options)
     finally:
@@ -225,9 +239,10 @@ def main():
     parser.add_argument("--ckpt-dir", default="checkpoints", help="committed checkpoints; every node must reach it")
     parser.add_argument("--total-steps", type=int, default=200, help="train until this step, across resumes")
     parser.add_argument("--save-every", type=int, default=50)
-    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--d-model", type=int, help="default: 512 on GPUs, 128 on CPUs (a minute or two on two cores)")
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument("--log-every", type=int, default=10, help="rank 0 prints step, loss, time (0: never)")
     parser.add_argument("--crash-at", type=int, help="plant a crash: the last rank SIGKILLs itself after this "
                         "step, on the first attempt only")
     args = parser.parse_args()

@@ -1,9 +1,13 @@
 # Written by `./cookbook export` from notebooks/05_mixed_precision.ipynb, cells tagged 'script:train_amp.py'.
 # Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 train_amp.py --help
 """AMP training with torch.amp: bf16 autocast, or fp16 autocast with a GradScaler, optionally torch.compile'd,
-data-parallel over the ranks with DDP. The loss is computed on float32 logits.
+data-parallel over the ranks with DDP. The loss is computed on float32 logits. Defaults fit the device: a ~100M
+GPT on GPUs, a small one that trains in under a minute on two CPU cores; rank 0 logs every --log-every steps.
 
     torchrun --standalone --nproc-per-node=2 train_amp.py --dtype bf16 --steps 50
+
+For a project: scripts/train/ adds meta-device init, FSDP2's bf16 policy, warm-up and cosine decay, evaluation,
+checkpoints and resume, and MFU logging: `torchrun --standalone --nproc-per-node=2 scripts/train/train.py`.
 """
 import argparse
 import gc
@@ -18,6 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# main()'s defaults per device: a compute-bound ~100M GPT on a GPU; under a minute of 200 steps on two CPU cores
+MAIN_DEFAULTS = {"cuda": dict(batch=32, seq_len=256, d_model=1024, layers=8, heads=16, lr=3e-4),
+                 "cpu": dict(batch=8, seq_len=64, d_model=128, layers=2, heads=4, lr=1e-3)}
 
 
 def init_distributed():
@@ -125,10 +132,17 @@ def train(args, device):
     dtype = DTYPES[args.dtype]
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
+    if rank == 0:
+        print(f"{parameters:,} parameters, {args.steps} steps of {args.batch} x {args.seq_len} tokens per rank on "
+              f"{dist.get_world_size()} {device.type} ranks", flush=True)
     losses, start = [], time.perf_counter()
-    for _ in range(args.steps):
+    for step in range(1, args.steps + 1):
         x, y = (t.to(device) for t in get_batch(tokens, args.batch, args.seq_len, g))
         losses.append(train_step(model, opt, scaler, x, y, dtype).item())
+        if rank == 0 and args.log_every and (step % args.log_every == 0 or step in (1, args.steps)):
+            took = time.perf_counter() - start
+            print(f"step {step:>5}/{args.steps}  loss {losses[-1]:.4f}  {took:.1f} s, about "
+                  f"{took / step * (args.steps - step):.0f} s left", flush=True)
     return {"parameters": parameters, "first": losses[0], "last": sum(losses[-5:]) / len(losses[-5:]),
             "seconds": time.perf_counter() - start, "scale": scaler.get_scale() if scaler.is_enabled() else None}
 
@@ -140,17 +154,22 @@ def main():
     parser.add_argument("--tf32", action="store_true", help="fp32 matmuls and convolutions in TF32 (Ampere or later)")
     parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing in every block")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch", type=int, default=32, help="sequences per rank and step")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--d-model", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--log-every", type=int, default=20, help="rank 0 prints step, loss, time (0: never)")
+    sizes = parser.add_argument_group("sizes (default: the first value on GPUs, the second on CPUs)")
+    sizes.add_argument("--batch", type=int, help="sequences per rank and step (32; 8)")
+    sizes.add_argument("--seq-len", type=int, help="(256; 64)")
+    sizes.add_argument("--d-model", type=int, help="(1024; 128)")
+    sizes.add_argument("--layers", type=int, help="(8; 2)")
+    sizes.add_argument("--heads", type=int, help="(16; 4)")
+    sizes.add_argument("--lr", type=float, help="(3e-4; 1e-3)")
     args = parser.parse_args()
     # TF32: fp32 matmuls and convolutions on tensor cores, with 10 mantissa bits; "ieee" keeps true fp32
     torch.backends.cuda.matmul.fp32_precision = "tf32" if args.tf32 else "ieee"
     torch.backends.cudnn.conv.fp32_precision = "tf32" if args.tf32 else "ieee"
     device = init_distributed()
+    for name, value in MAIN_DEFAULTS[device.type].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     try:
         r = train(args, device)
         if dist.get_rank() == 0:

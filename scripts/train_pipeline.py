@@ -1,13 +1,17 @@
 # Written by `./cookbook export` from notebooks/08_pipeline_parallel.ipynb, cells tagged 'script:train_pipeline.py'.
 # Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 train_pipeline.py --help
 """A small GPT trained with pipeline parallelism (torch.distributed.pipelining: GPipe, 1F1B or interleaved 1F1B) on
-CPython's language reference read character by character.
+CPython's language reference read character by character. Rank 0 logs every --log-every steps.
 
     torchrun --standalone --nproc-per-node=2 train_pipeline.py --schedule 1f1b
+
+For a project: scripts/train/ adds meta-device init, stages combined with FSDP2 or TP, clipping across stages, a
+schedule, evaluation, checkpoints: `torchrun --standalone --nproc-per-node=2 scripts/train/train.py --pp 2 --accum 4`.
 """
 import argparse
 import gc
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -144,16 +148,18 @@ def pipeline_step(schedule, x, y):
     return losses
 
 
-def train(device, steps, schedule_name, microbatches, mb_size, lr, d_model, layers, seed=0):
+def train(device, steps, schedule_name, microbatches, mb_size, lr, d_model, layers, seed=0, log_every=None):
     """Train this rank's stages; return plain values only, so every object that holds process-group work is
-    freed when this returns (before destroy_process_group)."""
+    freed when this returns (before destroy_process_group). Rank 0 prints step, loss, elapsed and remaining
+    seconds every `log_every` steps (default: a tenth of them; 0: never)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, vocab = corpus()
     cfg = Config(vocab_size=vocab, d_model=d_model, n_layers=layers)
     stages, schedule = build_pipeline(cfg, schedule_name, microbatches, device, seed)
     opt = torch.optim.Adam([p for st in stages for p in st.submod.parameters()], lr=lr)
     gen = torch.Generator().manual_seed(1000)            # the first and last ranks need the same windows
-    losses = []
+    losses, start = [], time.perf_counter()
+    log_every = max(1, steps // 10) if log_every is None else log_every
     for step in range(steps):
         x, y = (t.to(device) for t in text_batch(tokens, microbatches * mb_size, cfg.seq_len, gen))
         opt.zero_grad()
@@ -162,8 +168,10 @@ def train(device, steps, schedule_name, microbatches, mb_size, lr, d_model, laye
         loss = torch.stack(mb_losses).mean().detach() if mb_losses else torch.zeros((), device=device)
         dist.broadcast(loss, src=world - 1)              # the last rank has the loss; everyone learns it
         losses.append(loss.item())
-        if rank == 0 and (step % max(1, steps // 10) == 0 or step == steps - 1):
-            print(f"step {step:>5}  loss {losses[-1]:.4f}", flush=True)
+        if rank == 0 and log_every and ((step + 1) % log_every == 0 or step + 1 in (1, steps)):
+            took = time.perf_counter() - start
+            print(f"step {step + 1:>5}/{steps}  loss {losses[-1]:.4f}  {took:.1f} s, about "
+                  f"{took / (step + 1) * (steps - step - 1):.0f} s left", flush=True)
     return {"rank": rank, "stages": world * (2 if schedule_name == "interleaved" else 1), "device": device.type,
             "first": losses[0], "last": losses[-1]}
 
@@ -177,9 +185,10 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4, help="divisible by the number of stages")
+    parser.add_argument("--log-every", type=int, default=25, help="rank 0 prints step, loss, time (0: never)")
     args = parser.parse_args()
     result = run_distributed(train, args.steps, args.schedule, args.microbatches, args.mb_size, args.lr, args.d_model,
-                             args.layers)
+                             args.layers, log_every=args.log_every)
     if result["rank"] == 0:
         print(f"summary: {args.schedule} over {result['stages']} stages on {result['device']}, loss "
               f"{result['first']:.3f} -> {result['last']:.3f} in {args.steps} steps", flush=True)

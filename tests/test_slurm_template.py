@@ -1,4 +1,5 @@
-"""slurm/cluster_ddp.sbatch runs as a 2-node job on this machine, with `srun` and `scontrol` stubbed.
+"""The SLURM templates run as 2-node jobs on this machine, with `srun` and `scontrol` stubbed: slurm/train.sbatch
+(the training recipe) and slurm/cluster_ddp.sbatch (notebook 09's script).
 
 The stubs do what SLURM does for the template and no more: `scontrol show hostnames` expands the node list (here
 two names for this machine), `srun` starts one copy of its command per task as a local process with SLURM_NODEID,
@@ -7,6 +8,7 @@ first host, no --node-rank, the torchrun line) is the template's own, so a mista
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from helpers.launcher.api import free_port
 from helpers.launcher.torchrun import torchrun_path
 from helpers.paths import REPO_ROOT
 
-TEMPLATE = REPO_ROOT / "slurm" / "cluster_ddp.sbatch"
+SLURM = REPO_ROOT / "slurm"
 
 SRUN = r'''#!{python}
 """srun stub: one local process per task, each with its SLURM_* task variables."""
@@ -40,25 +42,53 @@ print("\n".join(sys.argv[3].split(",")))
 '''
 
 
-def test_the_sbatch_template_runs_a_two_node_job(tmp_path: Path):
+def run_template(template: Path, tmp_path: Path, script: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`bash TEMPLATE FLAGS...` as sbatch would run it in a 2-node allocation, one CPU process per node."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
         (bin_dir / name).write_text(text.format(python=sys.executable))
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
            "NPROC_PER_NODE": "1", "TORCHRUN": torchrun_path(), "RDZV_PORT": str(free_port()),
-           "SCRIPT": str(REPO_ROOT / "scripts" / "cluster_ddp.py"), "OMP_NUM_THREADS": "1",
+           "SCRIPT": str(script), "OMP_NUM_THREADS": "1",
            # two "nodes" on one machine would each give their LOCAL_RANK 0 cuda:0: on a GPU machine NCCL refuses two
            # ranks on one GPU, so the simulated nodes run on CPU with gloo (notebook 09 and test_elastic do the same)
            "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(["bash", str(TEMPLATE), "--out", str(tmp_path / "out"), "--steps", "4", "--batch", "16",
-                          "--hidden", "8", "--save-every", "2"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    return subprocess.run(["bash", str(template), *flags], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+
+
+def summary_of(run: subprocess.CompletedProcess) -> str:
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
     summaries = [line for line in run.stdout.splitlines() if line.startswith("summary:")]
-    assert len(summaries) == 1 and "world=2" in summaries[0], output[-4000:]
+    assert len(summaries) == 1, output[-4000:]
+    return summaries[0]
+
+
+def test_the_recipe_template_runs_a_two_node_job_that_saves_on_sigterm_and_resumes(tmp_path: Path):
+    # SIGTERM is what SLURM sends (--signal) before the time limit: here the last rank sends it to itself after
+    # step 2 (the recipe's planted fault); the job must still end well, with step 2 committed, and the same
+    # submission again must resume there and train to the end.
+    recipe, ckpt = REPO_ROOT / "scripts" / "train" / "train.py", tmp_path / "ckpt"
+    flags = ["--steps", "4", "--batch", "4", "--seq-len", "32", "--log-every", "1", "--eval-windows", "4",
+             "--ckpt-dir", str(ckpt), "--save-every", "0"]
+    stopped = json.loads(summary_of(run_template(SLURM / "train.sbatch", tmp_path, recipe, *flags, "--crash-at",
+                                                 "2", "--crash-signal", "TERM")).removeprefix("summary:"))
+    assert (stopped["world_size"], stopped["stopped"], stopped["step"]) == (2, True, 2), stopped
+    assert int(Path(stopped["checkpoint"]).name.split("_")[-1]) == 2, stopped
+    resumed = run_template(SLURM / "train.sbatch", tmp_path, recipe, *flags)
+    finished = json.loads(summary_of(resumed).removeprefix("summary:"))
+    assert (finished["world_size"], finished["stopped"], finished["step"]) == (2, False, 4), finished
+    assert f"resumed from {stopped['checkpoint']}" in resumed.stdout, resumed.stdout[-3000:]
+
+
+def test_the_cluster_ddp_template_runs_a_two_node_job(tmp_path: Path):
+    run = run_template(SLURM / "cluster_ddp.sbatch", tmp_path, REPO_ROOT / "scripts" / "cluster_ddp.py",
+                       "--out", str(tmp_path / "out"), "--steps", "4", "--batch", "16", "--hidden", "8",
+                       "--save-every", "2")
+    assert "world=2" in summary_of(run)
     envs = sorted((tmp_path / "out" / "env").glob("attempt0_rank*.json"))
     assert len(envs) == 2, "one worker per node, two nodes"
