@@ -1,5 +1,5 @@
-"""The SLURM templates run as 2-node jobs on this machine, with `srun` and `scontrol` stubbed: slurm/train.sbatch
-(the training recipe) and slurm/cluster_ddp.sbatch (notebook 09's script).
+"""The SLURM templates run as 2-node jobs on this machine, with `srun` and `scontrol` stubbed: slurm/train.sbatch,
+with the training recipe (its default SCRIPT) and with notebook 09's script (SCRIPT=scripts/cluster_ddp.py).
 
 The stubs do what SLURM does for the template and no more: `scontrol show hostnames` expands the node list (here
 two names for this machine), `srun` starts one copy of its command per task as a local process with SLURM_NODEID,
@@ -85,8 +85,8 @@ def test_the_recipe_template_runs_a_two_node_job_that_saves_on_sigterm_and_resum
     assert f"resumed from {stopped['checkpoint']}" in resumed.stdout, resumed.stdout[-3000:]
 
 
-def test_the_cluster_ddp_template_runs_a_two_node_job(tmp_path: Path):
-    run = run_template(SLURM / "cluster_ddp.sbatch", tmp_path, REPO_ROOT / "scripts" / "cluster_ddp.py",
+def test_the_template_runs_notebook_09s_script_as_a_two_node_job(tmp_path: Path):
+    run = run_template(SLURM / "train.sbatch", tmp_path, REPO_ROOT / "scripts" / "cluster_ddp.py",
                        "--out", str(tmp_path / "out"), "--steps", "4", "--batch", "16", "--hidden", "8",
                        "--save-every", "2")
     assert "world=2" in summary_of(run)

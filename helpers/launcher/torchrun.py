@@ -36,7 +36,7 @@ def torchrun_lines(script: str, nproc: str = "gpu", nodes: int = 2, endpoint: st
             f"torchrun --standalone --nproc-per-node={nproc} {script}\n\n"
             f"# {nodes} machines: the same line on every node; the c10d rendezvous numbers the nodes\n"
             f"{multi}\n\n"
-            "# under SLURM: one task per node, the rendezvous on the job's first host (slurm/cluster_ddp.sbatch)\n"
+            "# under SLURM: one task per node, the rendezvous on the job's first host (slurm/train.sbatch)\n"
             f"srun --nodes={nodes} --ntasks-per-node=1 " + multi.replace(
                 endpoint, '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p):29500').replace(
                 "$JOB_ID", "$SLURM_JOB_ID") + "\n"
