@@ -106,8 +106,13 @@ def pytest_collection_modifyitems(config, items):
     """`./cookbook test` runs two tests at a time (pytest-xdist, `--dist loadgroup`), each worker a process with its
     own fork-server, so the checks above hold per worker. The browser test (JupyterLab in Chromium, waiting on a
     page) and the two heaviest notebooks form one group, which one worker runs one after another; every other test,
-    the lighter notebooks included, goes to whichever worker is free. Without xdist the mark does nothing."""
+    the lighter notebooks included, goes to whichever worker is free. The training recipe's tests form a group of
+    their own: their runs are module-scoped fixtures, which xdist would otherwise make once on each worker that gets
+    one of the tests (the same torchrun jobs twice). Without xdist the marks do nothing."""
     for item in items:
+        if item.path.name == "test_train_recipe.py":
+            item.add_marker(pytest.mark.xdist_group("recipe"))
+            continue
         callspec = getattr(item, "callspec", None)
         if item.get_closest_marker("browser") or (item.get_closest_marker("notebook") and callspec is not None
                                                   and callspec.id in HEAVY_NOTEBOOKS):

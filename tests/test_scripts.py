@@ -1,8 +1,9 @@
 """The standalone scripts in scripts/: made of their notebooks' cells, free of `helpers`, and clean under torchrun.
 
 Each script runs under `torchrun --standalone --nproc-per-node=2` from an empty directory where `import helpers`
-fails, RUNS times at once so that every core is busy: a recipe that crashes at exit ("terminate called without
-an active exception") one run in three must not pass by luck.
+fails, RUNS times at once so that every core is busy (3 runs of 2 ranks: more processes than this machine's
+cores): a recipe that crashes at exit ("terminate called without an active exception") one run in two fails here
+7 times in 8; `COOKBOOK_SCRIPT_RUNS=10` runs more when chasing such a crash.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "train_pipeline.py": ["--steps", "3", "--d-model", "64", "--layers", "2", "--microbatches", "4"],
     "train_tp.py": ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "2"],
 }
-RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "5"))
+RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "3"))  # 3 x 2 ranks: more processes than this machine's cores
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata"}
 RUN_TIMEOUT_S = 240
 
