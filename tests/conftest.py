@@ -56,26 +56,13 @@ def launcher_leaves_kernel_as_it_was(request):
 
 
 @contextlib.contextmanager
-def cell_interrupted_after(seconds: float):
-    """What Jupyter's interrupt button does to the kernel, `seconds` into the block.
+def cell_interrupted_when(condition, timeout: float):
+    """What Jupyter's interrupt button does to the kernel, as soon as `condition()` holds (looked at every 0.05 s)
+    or `timeout` seconds into the block, whichever comes first.
 
     A kernel turns SIGINT into KeyboardInterrupt; a test runner started in the background may have inherited
     SIGINT as ignored, and then interrupt_main() does nothing. The block gets the kernel's handler.
     """
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    timer = threading.Timer(seconds, _thread.interrupt_main)
-    try:
-        timer.start()
-        yield
-    finally:
-        timer.cancel()
-        timer.join()
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextlib.contextmanager
-def cell_interrupted_when(condition, timeout: float):
-    """A cell interrupt as soon as `condition()` holds (looked at every 0.05 s, for at most `timeout` seconds)."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     stop = threading.Event()
 
@@ -94,6 +81,11 @@ def cell_interrupted_when(condition, timeout: float):
         stop.set()
         watcher.join()
         signal.signal(signal.SIGINT, previous)
+
+
+def cell_interrupted_after(seconds: float):
+    """The interrupt button pressed `seconds` into the block."""
+    return cell_interrupted_when(lambda: False, seconds)
 
 
 # The two notebooks whose smoke runs cost the most (05 and 06: 43% of the time notebooks 00-07 took, measured one
