@@ -225,15 +225,17 @@ def fp32_settings() -> dict[str, str]:
             str(getattr(home, name)) for home, name in _tf32_settings()}
 
 
-def ceilings(device, modes: dict[str, dict], mlp_shape: tuple[int, int, int], ceiling_n: int) -> dict:
+def ceilings(device, modes: dict[str, dict], mlp_shape: tuple[int, int, int], ceiling_n: int,
+             repeats: int = 7) -> dict:
     """What the hardware itself can do for each mode's format, measured in the worker that times the steps: its
     name and formats (`hardware_formats`), the matmul FLOP/s at the model's MLP shape (tokens, d, 4d) and at a large
-    square (`ceiling_n`), and the relative error of one matmul against float64. Compiled modes share their format's."""
+    square (`ceiling_n`), each the best of `repeats` interleaved bursts (`matmul_flops`), and the relative error of
+    one matmul against float64. Compiled modes share their format's."""
     device = torch.device(device)
     dtype_of = {n: (m["dtype"], m["fp32_precision"]) for n, m in modes.items() if not m.get("compile")}
     return {"hardware": hardware_formats(device),
-            "flops_model": matmul_flops(device, dtype_of, *mlp_shape),
-            "flops_square": matmul_flops(device, dtype_of, ceiling_n, ceiling_n, ceiling_n),
+            "flops_model": matmul_flops(device, dtype_of, *mlp_shape, repeats=repeats),
+            "flops_square": matmul_flops(device, dtype_of, ceiling_n, ceiling_n, ceiling_n, repeats=repeats),
             "errors": {n: matmul_error(device, dt, n=256, precision=p) for n, (dt, p) in dtype_of.items()}}
 
 
