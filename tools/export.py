@@ -7,6 +7,13 @@ body (the first one opens with the module docstring and the imports). The notebo
 process group, one summary line) in a tagged cell without calling it, because a kernel's `__name__` is also
 "__main__"; the export adds only a header comment and the `if __name__ == "__main__": main()` block.
 
+The training recipe is a folder of modules, `scripts/train/`: a cell tagged `script:train/NAME.py` belongs to
+`scripts/train/NAME.py`. A recipe module may be made of the cells of several notebooks, in notebook order (each
+part of `parallelize.py` is taught where its parallelism is: FSDP2 in 03, activation checkpointing in 05, tensor
+parallel in 07, the pipeline split in 08); its first cell holds the module docstring and the imports, a later
+notebook's cell imports what its own part needs. A recipe module is imported, so it needs no `main()`; it gets
+the `__main__` block only where it defines one.
+
 `python -m tools.export --check` (and tests/test_scripts.py) fails when a script and its notebook drift apart,
 and when a file in scripts/ is written by no notebook.
 """
@@ -22,11 +29,15 @@ from helpers.paths import NOTEBOOKS, REPO_ROOT, SCRIPTS
 TAG_PREFIX = "script:"
 HEADER = ("# Written by `./cookbook export` from notebooks/{notebook}, cells tagged '{tag}'.\n"
           "# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 {name} --help\n")
+MODULE_HEADER = ("# Written by `./cookbook export` from the cells tagged '{tag}' in\n"
+                 "# notebooks/{notebooks}.\n# Edit those cells, not this file.\n")
+RECIPE = "train"   # the recipe's folder under scripts/
 FOOTER = '\n\nif __name__ == "__main__":\n    main()\n'
 
 
 def _tagged_cells(notebook: Path) -> dict[str, list[str]]:
-    """Script name -> the sources of its cells, in notebook order."""
+    """Script name (relative to scripts/: `train_ddp.py`, `train/model.py`) -> the sources of its cells, in
+    notebook order."""
     cells: dict[str, list[str]] = {}
     for cell in json.loads(notebook.read_text())["cells"]:
         if cell["cell_type"] != "code":
@@ -34,8 +45,10 @@ def _tagged_cells(notebook: Path) -> dict[str, list[str]]:
         for tag in cell.get("metadata", {}).get("tags", []):
             if tag.startswith(TAG_PREFIX):
                 name = tag[len(TAG_PREFIX):]
-                if not name.endswith(".py") or "/" in name:
-                    raise ValueError(f"{notebook.name}: tag {tag!r} must name a file like 'script:train_ddp.py'")
+                folder, _, file = name.rpartition("/")
+                if not file.endswith(".py") or folder not in ("", RECIPE):
+                    raise ValueError(f"{notebook.name}: tag {tag!r} must name a file like 'script:train_ddp.py' "
+                                     f"or 'script:{RECIPE}/model.py'")
                 cells.setdefault(name, []).append("".join(cell["source"]).strip("\n"))
     return cells
 
@@ -48,22 +61,46 @@ def script_text(notebook: Path, name: str, sources: list[str]) -> str:
     return HEADER.format(notebook=notebook.name, tag=TAG_PREFIX + name, name=name) + body + FOOTER
 
 
+def module_text(name: str, parts: list[tuple[str, list[str]]]) -> str:
+    """The text of a recipe module, scripts/train/NAME: the cells of every notebook that tags it, in notebook order;
+    the `__main__` block only where the module defines main()."""
+    body = "\n\n\n".join(source for _, sources in parts for source in sources)
+    notebooks = ", ".join(notebook for notebook, _ in parts)
+    footer = FOOTER if "\ndef main(" in "\n" + body else "\n"
+    return MODULE_HEADER.format(tag=TAG_PREFIX + name, notebooks=notebooks) + body + footer
+
+
 def exported_scripts(notebooks_dir: Path = NOTEBOOKS) -> dict[str, str]:
-    """Every script the notebooks define: file name -> text. Two notebooks may not write one script."""
+    """Every script the notebooks define: path relative to scripts/ -> text. Two notebooks may not write one
+    script; the recipe's modules may be made of several notebooks' cells."""
     scripts: dict[str, str] = {}
     owner: dict[str, str] = {}
+    modules: dict[str, list[tuple[str, list[str]]]] = {}
     for notebook in sorted(notebooks_dir.glob("[0-9]*.ipynb")):
         for name, sources in _tagged_cells(notebook).items():
+            if "/" in name:
+                modules.setdefault(name, []).append((notebook.name, sources))
+                continue
             if name in scripts:
                 raise ValueError(f"scripts/{name} is tagged in both {owner[name]} and {notebook.name}")
             scripts[name], owner[name] = script_text(notebook, name, sources), notebook.name
+    for name, parts in modules.items():
+        scripts[name] = module_text(name, parts)
     return scripts
+
+
+def _present(scripts_dir: Path) -> dict[str, str]:
+    """The Python files in scripts/ and in its recipe folder, by their path relative to scripts/."""
+    if not scripts_dir.exists():
+        return {}
+    files = list(scripts_dir.glob("*.py")) + list((scripts_dir / RECIPE).glob("*.py"))
+    return {p.relative_to(scripts_dir).as_posix(): p.read_text() for p in files}
 
 
 def drift(scripts_dir: Path = SCRIPTS, notebooks_dir: Path = NOTEBOOKS) -> list[str]:
     """What differs between scripts/ and the notebooks' cells, one line each; empty when they agree."""
     wanted = exported_scripts(notebooks_dir)
-    present = {p.name: p.read_text() for p in scripts_dir.glob("*.py")} if scripts_dir.exists() else {}
+    present = _present(scripts_dir)
     problems = [f"scripts/{name} is missing: run ./cookbook export" for name in sorted(set(wanted) - set(present))]
     problems += [f"scripts/{name} differs from its notebook's cells: edit the cells, then ./cookbook export"
                  for name in sorted(set(wanted) & set(present)) if wanted[name] != present[name]]
@@ -78,6 +115,7 @@ def export(scripts_dir: Path = SCRIPTS, notebooks_dir: Path = NOTEBOOKS) -> list
     changed = []
     for name, text in exported_scripts(notebooks_dir).items():
         path = scripts_dir / name
+        path.parent.mkdir(exist_ok=True)
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             changed.append(path)

@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/data.py' in
+# notebooks/06_checkpointing_and_fault_tolerance.ipynb.
+# Edit those cells, not this file.
 """Tokens on disk, windows of them, and a loader whose position is part of the checkpoint.
 
     python data.py --text a.txt b.txt --out tokens.bin          # or: python train.py prepare --text ... --out ...
@@ -162,7 +165,6 @@ def main(argv: list[str] | None = None) -> None:
     meta = json.loads(meta_path(out).read_text())
     print(f"wrote {out}: {meta['tokens']:,} byte tokens, the last {meta['tokens'] - meta['eval_start']:,} held out "
           f"for evaluation", file=sys.stderr)
-
 
 if __name__ == "__main__":
     main()

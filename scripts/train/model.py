@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/model.py' in
+# notebooks/03_fsdp_and_device_mesh.ipynb.
+# Edit those cells, not this file.
 """The GPT every part of the recipe trains: a decoder-only transformer on bytes, in torchtitan's module names.
 
 Why it looks like this: parallelism is applied to this unchanged model by the functions in parallelize.py, so the

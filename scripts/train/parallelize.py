@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/parallelize.py' in
+# notebooks/03_fsdp_and_device_mesh.ipynb, 05_mixed_precision.ipynb, 07_tensor_parallel_and_2d.ipynb, 08_pipeline_parallel.ipynb.
+# Edit those cells, not this file.
 """Parallelism as functions applied to the unchanged GPT of model.py, in torchtitan's order: tensor parallel,
 activation checkpointing, compile, then data parallel (FSDP2, HSDP or DDP); the pipeline split comes first of all.
 
@@ -5,8 +8,6 @@ Every function takes the model and a mesh (or a slice of one) and changes the mo
 never learns which were applied, and its parameters keep their names (a checkpoint loads at any layout).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
@@ -55,40 +56,36 @@ def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
         mesh["dp_replicate"].size() * shard
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> None:
-    """Megatron-style tensor parallel with sequence parallel: wq/wk/wv and w1 split by output features
-    (ColwiseParallel), wo and w2 by input features (RowwiseParallel) so each block needs one reduction per half;
-    between the blocks the residual stream is split along the sequence (Shard(1)) and the norms work on their
-    piece (SequenceParallel). With `loss_parallel` the logits stay split over the vocabulary and the loss must run
-    inside `torch.distributed.tensor.parallel.loss_parallel()` (see train.py)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> None:
+    """FSDP2: `fully_shard` on each block, then on the root (embeddings, final norm, output), bottom-up. A 1-D
+    mesh shards over it; a 2-D (dp_replicate, dp_shard) mesh is HSDP (shard inside a group, replicate across).
+    `param_dtype` bf16 computes in bf16 from fp32 master weights, with gradients reduced in `reduce_dtype`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    top = {"norm": SequenceParallel(),
-           "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                     use_local_output=not loss_parallel)}
-    if model.tok_embeddings is not None:
-        # each rank looks up its rows of the tables; the sum comes out split along the sequence (a reduce-scatter)
-        top |= {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-                "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
-    if model.norm is None:
-        top = {k: v for k, v in top.items() if k not in ("norm", "output")}
-    parallelize_module(model, tp_mesh, top)
-    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": gather,
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": gather,
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Plain data parallel (replicas of the whole model, gradients all-reduced in buckets). Returns the wrapper:
+    DDP is a module around the model (its state dict names are the model's, under `module.`; get_state_dict
+    strips that)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
+                                   device_ids=[device.index] if device.type == "cuda" else None)
+
+
+# activation checkpointing and compile: taught in notebook 05
+import functools
+
+import torch
+from torch import nn
+
+
 
 
 def _selective_policy():
@@ -148,27 +145,74 @@ def apply_compile(model: nn.Module) -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> None:
-    """FSDP2: `fully_shard` on each block, then on the root (embeddings, final norm, output), bottom-up. A 1-D
-    mesh shards over it; a 2-D (dp_replicate, dp_shard) mesh is HSDP (shard inside a group, replicate across).
-    `param_dtype` bf16 computes in bf16 from fp32 master weights, with gradients reduced in `reduce_dtype`."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+# tensor parallel, and clipping across every mesh dimension: taught in notebook 07
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)
+
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> None:
+    """Megatron-style tensor parallel with sequence parallel: wq/wk/wv and w1 split by output features
+    (ColwiseParallel), wo and w2 by input features (RowwiseParallel) so each block needs one reduction per half;
+    between the blocks the residual stream is split along the sequence (Shard(1)) and the norms work on their
+    piece (SequenceParallel). With `loss_parallel` the logits stay split over the vocabulary and the loss must run
+    inside `torch.distributed.tensor.parallel.loss_parallel()` (see train.py)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    top = {"norm": SequenceParallel(),
+           "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                     use_local_output=not loss_parallel)}
+    if model.tok_embeddings is not None:
+        # each rank looks up its rows of the tables; the sum comes out split along the sequence (a reduce-scatter)
+        top |= {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
+    if model.norm is None:
+        top = {k: v for k, v in top.items() if k not in ("norm", "output")}
+    parallelize_module(model, tp_mesh, top)
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": gather,
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": gather,
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """Plain data parallel (replicas of the whole model, gradients all-reduced in buckets). Returns the wrapper:
-    DDP is a module around the model (its state dict names are the model's, under `module.`; get_state_dict
-    strips that)."""
-    from torch.nn.parallel import DistributedDataParallel
+def clip_grad_norm_(parameters, max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """Clip the gradients of all parameters together and return their total norm. Works on DTensor gradients
+    (FSDP2, TP: the norm of the pieces is reduced over the mesh); with a pipeline each stage has its own
+    parameters, so the squared norms of the stages are summed over `pp_mesh` first (as torchtitan does)."""
+    from torch.distributed.tensor import DTensor
 
-    return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
-                                   device_ids=[device.index] if device.type == "cuda" else None)
+    parameters = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        total = total ** 2
+        dist.all_reduce(total, group=pp_mesh.get_group())
+        total = total ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total
+
+
+# the pipeline split: taught in notebook 08
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
 
 
 def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh) -> nn.Module:
@@ -202,21 +246,3 @@ def pipeline_schedule(stage, name: str, n_microbatches: int, loss_fn):
 
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
     return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
-
-
-def clip_grad_norm_(parameters, max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """Clip the gradients of all parameters together and return their total norm. Works on DTensor gradients
-    (FSDP2, TP: the norm of the pieces is reduced over the mesh); with a pipeline each stage has its own
-    parameters, so the squared norms of the stages are summed over `pp_mesh` first (as torchtitan does)."""
-    from torch.distributed.tensor import DTensor
-
-    parameters = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if pp_mesh is not None and pp_mesh.size() > 1:
-        total = total ** 2
-        dist.all_reduce(total, group=pp_mesh.get_group())
-        total = total ** 0.5
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
-    return total

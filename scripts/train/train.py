@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/train.py' in
+# notebooks/09_from_notebook_to_cluster.ipynb.
+# Edit those cells, not this file.
 """Train the GPT of model.py under torchrun, at any layout of data, tensor and pipeline parallelism.
 
     python train.py prepare --text a.txt b.txt --out tokens.bin             # text -> byte tokens (no download)
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import checkpoint as ckpt
 import data
@@ -555,6 +559,7 @@ def export_main(argv: list[str]) -> None:
     print(f"exported {source} to {args.out}", flush=True)
 
 
+@record   # a failing rank's traceback goes into torchrun's error file, and its summary names the root cause
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["prepare"]:
@@ -566,8 +571,5 @@ def main(argv: list[str] | None = None) -> None:
     if result["rank"] == 0:
         print("summary: " + json.dumps({k: v for k, v in result.items() if k != "rank"}), flush=True)
 
-
 if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    record(main)()
+    main()
