@@ -94,6 +94,7 @@ def cell_interrupted_after(seconds: float):
 HEAVY_NOTEBOOKS = {"05_mixed_precision", "06_checkpointing_and_fault_tolerance"}
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: see _papermill_where_the_browser_runs
 def pytest_collection_modifyitems(config, items):
     """`./cookbook test` runs two tests at a time (pytest-xdist, `--dist loadgroup`), each worker a process with its
     own fork-server, so the checks above hold per worker. The browser test (JupyterLab in Chromium, waiting on a
@@ -109,3 +110,30 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("browser") or (item.get_closest_marker("notebook") and callspec is not None
                                                   and callspec.id in HEAVY_NOTEBOOKS):
             item.add_marker(pytest.mark.xdist_group("heavy"))
+    _papermill_where_the_browser_runs(items)
+
+
+def _browser_can_run() -> bool:
+    """Chromium, its driver and selenium are here, so tests/test_browser.py runs rather than skips."""
+    import importlib.util
+    from pathlib import Path
+
+    tools = (Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"))
+    return all(p.is_file() and os.access(p, os.X_OK) for p in tools) and importlib.util.find_spec("selenium") is not None
+
+
+def _papermill_where_the_browser_runs(items) -> None:
+    """A notebook the browser test runs is not also run by papermill. tests/test_browser.py executes every cell of
+    its notebooks in JupyterLab with the same smoke parameters and fails on any error output, which is all the
+    papermill test proves, at the cost of a second whole run. So where this session runs the browser test for a
+    notebook (selected, not deselected with -m 'not browser', and its tools present), that notebook's papermill run
+    is skipped, saying so."""
+    browsed = {item.callspec.params["page"].notebook.removesuffix(".ipynb") for item in items
+               if item.get_closest_marker("browser") and hasattr(item, "callspec")}
+    if not browsed or not _browser_can_run():
+        return
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if item.get_closest_marker("notebook") and callspec is not None and callspec.id in browsed:
+            item.add_marker(pytest.mark.skip(reason="executed in JupyterLab by tests/test_browser.py in this session "
+                                                    "(the same smoke parameters; any error output fails it)"))

@@ -122,13 +122,13 @@ def test_the_command_lines_the_notebooks_show_name_only_flags_their_script_has()
 
     from helpers.paths import NOTEBOOKS
 
-    names = {p.name for p in _scripts()}
+    names = {p.name for p in _scripts()} | {f"train/{p.name}" for p in (SCRIPTS / "train").glob("*.py")}
     flags: dict[str, set[str]] = {}
     unknown = []
     for notebook in sorted(NOTEBOOKS.glob("[0-9]*.ipynb")):
         for cell in json.loads(notebook.read_text())["cells"]:
             for line in "".join(cell["source"]).splitlines():
-                shown = re.search(r"(\w+\.py)((?:\s+--[\w-]+(?:[= ][^\s-]\S*)?)+)", line)
+                shown = re.search(r"((?:train/)?\w+\.py)((?:\s+--[\w-]+(?:[= ][^\s-]\S*)?)+)", line)
                 if not shown or shown.group(1) not in names:
                     continue
                 script = shown.group(1)
