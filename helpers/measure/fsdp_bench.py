@@ -55,7 +55,7 @@ def with_ratios(bench: dict, configs: dict = CONFIGS) -> dict:
 def eager_ratios(bench: dict) -> dict[str, dict[str, float | tuple[float, float]]]:
     """Each FSDP2 configuration's step over the plain eager autocast step (`with_ratios`' result; configurations
     that failed are left out): the median, min and max of the rounds' ratios, and the 90% bootstrap interval of the
-    median (`claims.median_interval`), the spread a verdict on a target takes."""
+    median (`advice.median_interval`), the spread a verdict on a target takes."""
     import statistics
 
     from helpers.measure.advice import median_interval
