@@ -5,7 +5,8 @@ With one GPU FSDP2 shards over a mesh of one rank, so there is no communication,
 still cast and copied into their unsharded buffers before its forward and, resharded, again before its backward,
 its gradients are copied into a reduce-scatter buffer and cast to the reduce dtype, and Adam steps DTensors; plain
 `torch.autocast` on the unwrapped model casts per op instead. The knobs (`reshard_after_forward=False`, explicit
-prefetch, `torch.compile` per block before `fully_shard`) are what notebooks 03 and 03b teach.
+prefetch, `torch.compile` per block before `fully_shard`: the recipe's `apply_compile`) are what notebooks 03, 03b
+and 05 teach.
 
 How it is timed: every configuration is built and warmed up first (torch.compile compiles during the warm-up, never
 inside a timed step); then each round times one step of every configuration in turn, so a slow phase of the
@@ -19,9 +20,10 @@ from __future__ import annotations
 
 EAGER_BASE, COMPILED_BASE = "bf16 autocast, no FSDP", "bf16 autocast + compile, no FSDP"
 
-# label: what is applied. fsdp False: the unwrapped model under torch.autocast. The eager FSDP2 rows add one knob each
-# to the defaults; the compiled row adds all of them together. Compilation is what costs time on a GPU (each compiled
-# configuration compiles its blocks' forward and backward), so there is one compiled FSDP2 row, not one per knob.
+# label: what is applied. fsdp False: the unwrapped model under torch.autocast; fsdp True: the recipe's apply_fsdp with
+# a bf16 param_dtype. The eager FSDP2 rows add one knob each to its defaults; the compiled row adds all of them
+# together. Compilation is what costs time on a GPU (each compiled configuration compiles its blocks' forward and
+# backward), so there is one compiled FSDP2 row, not one per knob.
 CONFIGS = {
     EAGER_BASE: {"fsdp": False},
     "FSDP2 bf16 policy, defaults": {"fsdp": True},
