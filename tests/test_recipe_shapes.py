@@ -50,15 +50,57 @@ def test_heads_that_tp_cannot_split_are_refused_before_anything_starts():
         train_tp.parse_args(["--tp", "8", "--heads", "4"])
 
 
-def test_a_pipeline_whose_layers_do_not_split_into_equal_stages_is_refused():
-    """8 ranks with the script's default 4 layers: before, every stage kept 0 blocks and trained without them."""
+def _pipeline_splits(pp, chunks, n_layers):
+    """The recipe's pipeline_split of its GPT (meta device) on each rank of a pp-rank pipeline with `chunks` stages
+    per rank, each rank played in turn through torch's fake process group: {(rank, chunk): parameter names}, or
+    the ValueError's message."""
     import sys
 
-    sys.path.insert(0, str(SCRIPTS))
-    import train_pipeline
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    cfg = train_pipeline.Config(vocab_size=64, d_model=16, n_layers=4, n_heads=2)
-    with pytest.raises(ValueError, match="do not split into 8 equal stages"):
-        train_pipeline.stage_module(train_pipeline.GPT(cfg), 0, 8)
-    kept = train_pipeline.stage_module(train_pipeline.GPT(cfg), 1, 2)
-    assert list(kept.blocks) == ["2", "3"] and kept.tok is None and kept.head is not None
+    sys.path.insert(0, str(SCRIPTS / "train"))
+    from model import GPT, GPTConfig
+    from parallelize import build_mesh, pipeline_split
+
+    cfg = GPTConfig(vocab_size=64, dim=16, n_layers=n_layers, n_heads=2, max_seq_len=8)
+    kept = {}
+    for rank in range(pp):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
+        try:
+            pp_mesh = build_mesh(pp, 1, 1, 1, pp, "cpu")["pp"]
+            for chunk in range(chunks):
+                with torch.device("meta"):
+                    model = GPT(cfg)
+                try:
+                    stage = pipeline_split(model, pp_mesh, chunk, chunks)
+                except ValueError as e:
+                    return str(e)
+                kept[(rank, chunk)] = sorted(n for n, _ in stage.named_parameters())
+        finally:
+            dist.destroy_process_group()
+    with torch.device("meta"):
+        kept["whole"] = sorted(n for n, _ in GPT(cfg).named_parameters())
+    return kept
+
+
+def test_a_pipeline_whose_layers_do_not_split_into_equal_stages_is_refused():
+    """8 stages of 4 layers: before, every stage kept 0 blocks and trained without them."""
+    refused = launch(_pipeline_splits, 8, 1, 4, world_size=1, timeout=120)[0]
+    assert refused == "4 layers do not split into 8 equal stages"
+
+
+@pytest.mark.parametrize("pp, chunks", [(2, 1), (8, 1), (4, 2)])
+def test_the_stages_tile_the_model_under_its_own_names(pp, chunks):
+    """Every parameter in exactly one stage, under the whole model's name; the embeddings on stage 0, the final
+    norm and output on the last; stage s holds the s-th run of consecutive blocks (rank r's chunk c is stage
+    r + c·pp: the interleaved schedule's stages on a rank are not neighbours)."""
+    kept = launch(_pipeline_splits, pp, chunks, 16, world_size=1, timeout=120)[0]
+    whole = kept.pop("whole")
+    assert sorted(n for names in kept.values() for n in names) == whole
+    stages, per = pp * chunks, 16 // (pp * chunks)
+    for (rank, chunk), names in kept.items():
+        s = rank + chunk * pp
+        assert {int(n.split(".")[1]) for n in names if n.startswith("layers.")} == set(range(s * per, (s + 1) * per))
+        assert ("tok_embeddings.weight" in names) == (s == 0) and ("output.weight" in names) == (s == stages - 1)
