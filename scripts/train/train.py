@@ -345,17 +345,17 @@ class Stepper(Built):
             loss += plain(micro_loss).detach()
         return loss
 
-    def _through_stages(self, run, x, y) -> list:
-        """A pipeline schedule's `run` (step or eval) as this rank's stage calls it: the first stage feeds the
-        inputs, the last the targets; returns the last stage's micro-batch losses."""
+    def _through_stages(self, schedule_call, x, y) -> list:
+        """A pipeline schedule's step or eval, called as this rank's stage needs: the first stage feeds the inputs,
+        the last the targets; returns the last stage's micro-batch losses."""
         losses = []
         with self._context():
             if self.pp_rank == 0:
-                run(x)
+                schedule_call(x)
             elif self.last_stage:
-                run(target=y, losses=losses)
+                schedule_call(target=y, losses=losses)
             else:
-                run()
+                schedule_call()
         return losses
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
