@@ -215,7 +215,7 @@ class Built:
         self.last_stage = self.pp_rank == args.pp - 1
         self.dtype = DTYPES[args.dtype]
         self.fsdp = uses_fsdp(args)
-        self.ddp = args.dp_replicate > 1 and not self.fsdp
+        self.ddp = uses_ddp(args)
         self.model, self.train_model = build_model(args, cfg, self.mesh, device, self.dtype)
         self.stage = None
         if args.pp > 1:
@@ -245,6 +245,11 @@ def uses_fsdp(args) -> bool:
     return args.dp_shard > 1 or (args.dp_replicate > 1 and (args.tp > 1 or args.pp > 1))
 
 
+def uses_ddp(args) -> bool:
+    """DDP replicates the whole model where the layout has replicas and nothing else."""
+    return args.dp_replicate > 1 and not uses_fsdp(args)
+
+
 def layout_name(args) -> str:
     parts = []
     if args.pp > 1:
@@ -253,7 +258,7 @@ def layout_name(args) -> str:
         parts.append(f"HSDP {args.dp_replicate}x{args.dp_shard}")
     elif uses_fsdp(args):
         parts.append(f"FSDP2 {args.dp_replicate * args.dp_shard}")
-    elif args.dp_replicate > 1:
+    elif uses_ddp(args):
         parts.append(f"DDP {args.dp_replicate}")
     if args.tp > 1:
         parts.append(f"TP {args.tp}")
@@ -273,15 +278,13 @@ def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.d
     par.apply_ac(model, args.ac)
     if args.compile:
         par.apply_compile(model)
-    fsdp = uses_fsdp(args)
-    if fsdp:
+    if uses_fsdp(args):
         dims = ("dp_replicate", "dp_shard") if args.dp_replicate > 1 else ("dp_shard",)
         par.apply_fsdp(model, mesh[dims], param_dtype=dtype if dtype != torch.float32 else None,
                        reshard_after_forward=args.pp == 1)
     model.to_empty(device=device)
     model.init_weights(args.seed)
-    ddp = args.dp_replicate > 1 and not fsdp
-    return model, par.apply_ddp(model, mesh["dp_replicate"], device) if ddp else model
+    return model, par.apply_ddp(model, mesh["dp_replicate"], device) if uses_ddp(args) else model
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
