@@ -469,6 +469,68 @@ def _ring_factor(kind: str, n: int) -> float:
             "send": 1.0}[kind]
 
 
+def _collective(what: str, kind: str, group: str, size: int, calls: int, nbytes: float, dtype_bytes: int) -> list:
+    """The record of one (what, kind, group) of `communication`; none where the group has one rank or no call."""
+    if size <= 1 or not calls:
+        return []
+    return [{"what": what, "kind": kind, "group": group, "group_size": size, "calls": calls, "buffer_bytes": nbytes,
+             "dtype_bytes": dtype_bytes, "sent_bytes": nbytes * _ring_factor(kind, size)}]
+
+
+def _data_parallel_collectives(model: ModelConfig, train: Training, layout: Layout, rank: int) -> list[dict]:
+    """FSDP2's all-gathers and reduce-scatters per group (each block, the root), HSDP's all-reduce of the reduced
+    shard, or DDP's one all-reduce of every gradient per step (see `communication`)."""
+    b = _dtype_bytes(train.precision)
+    micro = train.grad_accum
+    if layout.fsdp:
+        shard, groups = layout.dp_shard, _group_elements(model, layout, rank)
+        gathers, reduces = (1, 1) if layout.pp > 1 else (2 * micro, micro)
+        elements = sum(groups.values())
+        return (_collective("FSDP parameters", "all_gather", "dp_shard", shard, gathers * len(groups),
+                            gathers * elements * shard * b["gathered"], b["gathered"])
+                + _collective("FSDP gradients", "reduce_scatter", "dp_shard", shard, reduces * len(groups),
+                              reduces * elements * shard * b["reduce"], b["reduce"])
+                + _collective("HSDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate,
+                              reduces * len(groups), reduces * elements * b["reduce"], b["reduce"]))
+    if layout.ddp:
+        return _collective("DDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate, 1,
+                           model_state(model, train, layout, rank)["held"]["gradients"], 4)
+    return []
+
+
+def _tensor_parallel_collectives(model: ModelConfig, train: Training, layout: Layout, stage: int) -> list[dict]:
+    """Sequence parallelism's all-gathers and reduce-scatters per micro-batch (each block's two halves, the
+    embeddings on the first stage, the output projection on the last), grouped by element width, and the
+    parallel loss's all-reduces (see `communication`)."""
+    b = _dtype_bytes(train.precision)
+    micro, t = train.grad_accum, layout.tp
+    n, s, d = train.batch_size * train.seq_len, train.seq_len, model.dim
+    first, last = stage == 0, stage == layout.pp - 1
+    blocks = len(stage_layers(model, layout.pp, stage))
+    res, mat = b["residual"], b["matmul"]
+    # (elements, dtype bytes) per micro-batch, forward and backward together
+    gathers = [(n * d, res)] * (2 * blocks) + [(n * d, mat)] * (2 * blocks)
+    scatters = [(n * d, mat)] * (2 * blocks) + [(n * d, res)] * (2 * blocks)
+    if first:
+        scatters += [(n * d, res), (s * d, res)]
+        gathers += [(n * d, res), (s * d, res)]
+    if last:
+        gathers.append((n * d, res))
+        scatters.append((n * d, res))
+    by_width: dict = {}
+    for kind, items in (("all_gather", gathers), ("reduce_scatter", scatters)):
+        for elements, width in items:
+            key = (kind, width)
+            by_width[key] = (by_width.get(key, (0, 0))[0] + 1, by_width.get(key, (0, 0))[1] + elements * width)
+    records = []
+    for (kind, width), (calls, nbytes) in sorted(by_width.items()):
+        records += _collective(f"TP sequence parallel ({width}-byte elements)", kind, "tp", t, micro * calls,
+                               micro * nbytes, width)
+    if last:
+        records += _collective("TP parallel loss", "all_reduce", "tp", t, 3 * micro, 3 * micro * n * 4, 4)
+    return records
+
+
 def communication(model: ModelConfig, train: Training, layout: Layout, rank: int = 0) -> list[dict]:
     """The collectives `rank` takes part in during one step of the recipe, one record per (what, kind, group):
     calls, buffer bytes (the collective's logical buffer summed over calls: an all-gather's output, a
@@ -489,64 +551,22 @@ def communication(model: ModelConfig, train: Training, layout: Layout, rank: int
     Not planned: under tp the norm weights' gradients stay partial sums and are all-reduced (dim elements each)
     wherever they are read; notebook 10 counts them.
     """
-    c = layout.coordinates(rank)
-    b = _dtype_bytes(train.precision)
-    micro = train.grad_accum
-    stage = c["pp"]
-    params = stage_parameters(model, layout, stage)
-    records = []
-
-    def add(what, kind, group, size, calls, nbytes, dtype_bytes):
-        if size > 1 and calls:
-            records.append({"what": what, "kind": kind, "group": group, "group_size": size, "calls": calls,
-                            "buffer_bytes": nbytes, "dtype_bytes": dtype_bytes,
-                            "sent_bytes": nbytes * _ring_factor(kind, size)})
-
-    if layout.fsdp:
-        shard, groups = layout.dp_shard, _group_elements(model, layout, rank)
-        gathers, reduces = (1, 1) if layout.pp > 1 else (2 * micro, micro)
-        add("FSDP parameters", "all_gather", "dp_shard", shard, gathers * len(groups),
-            gathers * sum(groups.values()) * shard * b["gathered"], b["gathered"])
-        add("FSDP gradients", "reduce_scatter", "dp_shard", shard, reduces * len(groups),
-            reduces * sum(groups.values()) * shard * b["reduce"], b["reduce"])
-        add("HSDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate, reduces * len(groups),
-            reduces * sum(groups.values()) * b["reduce"], b["reduce"])
-    elif layout.ddp:
-        add("DDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate, 1,
-            model_state(model, train, layout, rank)["held"]["gradients"], 4)
-    n, s, d = train.batch_size * train.seq_len, train.seq_len, model.dim
-    first, last = stage == 0, stage == layout.pp - 1
+    stage = layout.coordinates(rank)["pp"]
+    records = _data_parallel_collectives(model, train, layout, rank)
     if layout.tp > 1:
-        t, blocks = layout.tp, len(stage_layers(model, layout.pp, stage))
-        res, mat = b["residual"], b["matmul"]
-        # (elements, dtype bytes) per micro-batch, forward and backward together
-        gathers = [(n * d, res)] * (2 * blocks) + [(n * d, mat)] * (2 * blocks)
-        scatters = [(n * d, mat)] * (2 * blocks) + [(n * d, res)] * (2 * blocks)
-        if first:
-            scatters += [(n * d, res), (s * d, res)]
-            gathers += [(n * d, res), (s * d, res)]
-        if last:
-            gathers.append((n * d, res))
-            scatters.append((n * d, res))
-        by_width: dict = {}
-        for kind, items in (("all_gather", gathers), ("reduce_scatter", scatters)):
-            for elements, width in items:
-                key = (kind, width)
-                by_width[key] = (by_width.get(key, (0, 0))[0] + 1, by_width.get(key, (0, 0))[1] + elements * width)
-        for (kind, width), (calls, nbytes) in sorted(by_width.items()):
-            add(f"TP sequence parallel ({width}-byte elements)", kind, "tp", t, micro * calls, micro * nbytes, width)
-        if last:
-            add("TP parallel loss", "all_reduce", "tp", t, 3 * micro, 3 * micro * n * 4, 4)
+        records += _tensor_parallel_collectives(model, train, layout, stage)
     sharded_dims = [(g, size) for g, size in (("dp_shard", layout.dp_shard if layout.fsdp else 1), ("tp", layout.tp))
                     if size > 1]
+    params = stage_parameters(model, layout, stage)
     for group, size in sharded_dims:
-        add("gradient norm (per-tensor norms)", "all_reduce", group, size, 1, len(params) * 4, 4)
+        records += _collective("gradient norm (per-tensor norms)", "all_reduce", group, size, 1, len(params) * 4, 4)
     if layout.pp > 1:
-        add("gradient norm (stages' squared norms)", "all_reduce", "pp", layout.pp, 1, 4, 4)
-        msg = n * d * b["residual"] / layout.tp
+        records += _collective("gradient norm (stages' squared norms)", "all_reduce", "pp", layout.pp, 1, 4, 4)
+        b = _dtype_bytes(train.precision)
+        msg = train.batch_size * train.seq_len * model.dim * b["residual"] / layout.tp
         sends = (stage < layout.pp - 1) + (stage > 0)
-        add("pipeline hidden states and their gradients", "send", "pp", layout.pp, micro * sends,
-            micro * sends * msg, b["residual"])
+        records += _collective("pipeline hidden states and their gradients", "send", "pp", layout.pp,
+                               train.grad_accum * sends, train.grad_accum * sends * msg, b["residual"])
     return records
 
 
