@@ -101,3 +101,23 @@ def test_gathered_numel_pads_every_parameter_and_splits_root_from_blocks():
     # world 2: dim 0 padded to even rows: 5 -> 6 (weight 6x3 = 18, bias 6), 7 -> 8 (8x5 = 40)
     assert gathered_numel(model, 2) == (40, 2 * (18 + 6))
     assert gathered_numel(model, 1) == (35, 2 * (15 + 5))
+
+
+def test_gathered_numel_reads_the_recipes_layers_as_the_blocks():
+    import sys
+
+    from helpers.measure.fsdp_shards import gathered_numel
+    from helpers.paths import SCRIPTS
+
+    sys.path.insert(0, str(SCRIPTS / "train"))
+    try:
+        from model import GPT, GPTConfig
+    finally:
+        sys.path.remove(str(SCRIPTS / "train"))
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, max_seq_len=5))
+    root, blocks = gathered_numel(model, 3)
+    # root: tok_embeddings 11x8 (12 rows padded), pos_embeddings 5x8 (6), norm 8 (9), output 11x8 (12)
+    assert root == (12 + 6 + 12) * 8 + 9
+    # each block: wq, wk, wv, wo 8x8 (9 rows), w1 32x8 (33), w2 8x32 (9), two norms 8 (9)
+    assert blocks == 2 * (4 * 9 * 8 + 33 * 8 + 9 * 32 + 2 * 9)

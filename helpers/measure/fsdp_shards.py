@@ -44,13 +44,15 @@ def padded_numel(shapes: Iterable[Sequence[int]], world_size: int) -> int:
 
 
 def gathered_numel(model, world_size: int) -> tuple[int, int]:
-    """(root, blocks): elements FSDP2 all-gathers for a model sharded per block and then at the root (a model with
-    `.blocks`), once each: the root's own parameters, and all blocks' together. Each parameter counts as its
-    unsharded buffer, dim 0 padded to a multiple of the world size (world x one rank's padded shard). Works on a
-    meta-device model (shapes only)."""
-    in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+    """(root, blocks): elements FSDP2 all-gathers for a model sharded per block and then at the root, once each:
+    the root's own parameters, and all blocks' together. The blocks are the recipe's `layers` (a ModuleDict, what
+    `apply_fsdp` shards one by one) or a `.blocks` ModuleList. Each parameter counts as its unsharded buffer, dim 0
+    padded to a multiple of the world size (world x one rank's padded shard). Works on a meta-device model (shapes
+    only)."""
+    block_modules = list(model.layers.values()) if hasattr(model, "layers") else list(model.blocks)
+    in_blocks = {id(p) for b in block_modules for p in b.parameters()}
     root = world_size * padded_numel([p.shape for p in model.parameters() if id(p) not in in_blocks], world_size)
-    blocks = sum(world_size * padded_numel([p.shape for p in b.parameters()], world_size) for b in model.blocks)
+    blocks = sum(world_size * padded_numel([p.shape for p in b.parameters()], world_size) for b in block_modules)
     return root, blocks
 
 

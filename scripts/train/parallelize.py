@@ -57,16 +57,30 @@ def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True) -> None:
+               reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
+               cpu_offload: bool = False, prefetch: bool = False) -> None:
     """FSDP2: `fully_shard` on each block, then on the root (embeddings, final norm, output), bottom-up. A 1-D
     mesh shards over it; a 2-D (dp_replicate, dp_shard) mesh is HSDP (shard inside a group, replicate across).
-    `param_dtype` bf16 computes in bf16 from fp32 master weights, with gradients reduced in `reduce_dtype`."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    `param_dtype` bf16 computes in bf16 from fp32 master weights, with gradients reduced in `reduce_dtype`.
+    `reshard_after_forward` False keeps every group's gathered weights from its forward to its backward (ZeRO-2's
+    memory, one all-gather less per group and step); True frees them, the root's too (fully_shard's own default
+    would keep the root's, which backward needs first: a trade the recipe makes for memory).
+    `cpu_offload` keeps the shards, their gradients and the optimizer step in CPU memory. `prefetch` has block
+    i's forward issue block i+1's all-gather, and block i+1's backward block i's (explicit, one block ahead)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
+                reshard_after_forward=reshard_after_forward)
+    if prefetch:
+        for current, following in zip(blocks, blocks[1:]):
+            current.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([current])
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
