@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import pytest
 import torch
 
 from helpers.measure.fsdp_shards import fsdp_state_bytes, padded_numel, padded_rows, padding_numel, shard_numel, shard_rows
+
+from helpers.paths import SCRIPTS
+
+if str(SCRIPTS / "train") not in sys.path:  # the recipe's GPT (scripts/train/model.py), imported as notebooks do
+    sys.path.insert(0, str(SCRIPTS / "train"))
 
 SHAPES = [(103, 128), (64, 128), (384, 128), (384,), (128,), (5, 3), (1, 7)]
 
@@ -54,20 +60,21 @@ def _fsdp_bytes_worker(vocab):
     from torch.distributed.fsdp import fully_shard
 
     from helpers.measure.memory import allocated_state_bytes, model_state_bytes
-    from helpers.models import GPTConfig, TinyGPT
+    import torch.nn.functional as F
+    from model import GPT, GPTConfig
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(vocab_size=vocab, d_model=32, n_layers=1, n_heads=2, seq_len=8))
+    model = GPT(GPTConfig(vocab_size=vocab, dim=32, n_layers=1, n_heads=2, max_seq_len=8))
     shapes = [tuple(p.shape) for p in model.parameters()]
-    for block in model.blocks:
+    for block in model.layers.values():
         fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     opt = torch.optim.Adam(model.parameters())
     x = torch.randint(0, vocab, (2, 8))
-    model(x, x).backward()
+    F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
     opt.step()
     out = {"shapes": shapes, "held": model_state_bytes(model, opt), "allocated": allocated_state_bytes(model, opt)}
     dist.destroy_process_group()

@@ -1,11 +1,18 @@
 """Bytes per rank: storages (padding and shared buffers), ZeRO's arithmetic."""
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from helpers.measure.memory import (CUDA_BLOCK_BYTES, allocated_state_bytes, cuda_memory, model_state_bytes, storage_bytes,
                             zero_bytes_per_rank)
+
+from helpers.paths import SCRIPTS
+
+if str(SCRIPTS / "train") not in sys.path:  # the recipe's GPT (scripts/train/model.py), imported as notebooks do
+    sys.path.insert(0, str(SCRIPTS / "train"))
 
 
 def test_storage_bytes_counts_each_storage_once_and_rounds():
@@ -52,31 +59,32 @@ def _step_memory_worker(vocab):
     from torch.distributed.fsdp import fully_shard
 
     from helpers.measure.memory import step_memory
-    from helpers.models import GPTConfig, TinyGPT
+    import torch.nn.functional as F
+    from model import GPT, GPTConfig
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
-    config = GPTConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, seq_len=8)
+    config = GPTConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=2, max_seq_len=8)
     x = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
 
     def build(reshard):
         torch.manual_seed(0)
-        model = TinyGPT(config)
+        model = GPT(config)
         if reshard == "plain":
             return model
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         kwargs = {} if reshard is None else {"reshard_after_forward": reshard}
-        for block in model.blocks:
+        for block in model.layers.values():
             fully_shard(block, mesh=mesh, **kwargs)
         return fully_shard(model, mesh=mesh, **kwargs)
 
     try:
-        out = {r: step_memory(lambda r=r: build(r), lambda m: m(x, x), "cpu")
+        out = {r: step_memory(lambda r=r: build(r), lambda m: F.cross_entropy(m(x).flatten(0, 1), x.flatten()), "cpu")
                for r in ("plain", None, False, True)}
         with torch.device("meta"):
-            model = TinyGPT(config)
+            model = GPT(config)
         out["numel"] = {"all": sum(p.numel() for p in model.parameters()),
-                        "blocks": sum(p.numel() for p in model.blocks.parameters())}
+                        "blocks": sum(p.numel() for p in model.layers.parameters())}
         return out
     finally:
         dist.destroy_process_group()
