@@ -33,7 +33,6 @@ SMOKE_ARGS: dict[str, list[str]] = {
                      "--data", str(REPO_ROOT / "data" / "digits.npz")],  # the copy alone: told where the data is
     "train_fsdp.py": ["--steps", "5", "--layers", "1", "--d-model", "32", "--batch", "4", "--accum", "2"],
     "train_pipeline.py": ["--steps", "3", "--d-model", "64", "--layers", "2", "--microbatches", "4"],
-    "train_tp.py": ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "2"],
 }
 RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "3"))  # 3 x 2 ranks: more processes than this machine's cores
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata"}
