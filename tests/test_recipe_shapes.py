@@ -1,8 +1,9 @@
-"""The recipes' splits at sizes a CPU machine cannot launch. scripts/train_tp.py's plan at tensor-parallel degrees a CPU machine cannot launch (8 GPUs in one node): run on
-one process that plays rank 0 of 8 through torch's fake process group (collectives return without talking to
+"""The recipes' splits at sizes a CPU machine cannot launch. The recipe's tensor-parallel plan (scripts/train/,
+`apply_tp` on `build_mesh`'s tp dimension) at the degrees of notebook 07's torchrun lines (8 GPUs in one node): run
+on one process that plays rank 0 of tp through torch's fake process group (collectives return without talking to
 anyone), which is enough to check every shape the plan makes. Found by reading, before any GPU ran it: with the
-script's former 4 heads, `--tp 8` (notebook 07's two-node torchrun line) gave each rank half a head and the
-attention's `view` failed."""
+former train_tp.py's 4 heads, `--tp 8` (notebook 07's two-node torchrun line) gave each rank half a head and the
+attention's `view` failed; the recipe's `check_layout` now refuses such a layout before anything starts."""
 from __future__ import annotations
 
 import pytest
@@ -11,43 +12,55 @@ from helpers.launcher import launch
 from helpers.paths import SCRIPTS
 
 
-def _forward_at_tp(tp, argv):
+def _forward_at_tp(tp, n_heads):
+    """The recipe's GPU-sized GPT (one block) built as train.py builds it at --tp `tp`: logits' global and local
+    shapes."""
     import sys
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    sys.path.insert(0, str(SCRIPTS))
-    import train_tp
+    sys.path.insert(0, str(SCRIPTS / "train"))
+    from model import GPT, GPTConfig
+    from parallelize import apply_tp, build_mesh
+    from train import GPU_DEFAULTS
 
-    args = train_tp.parse_args(argv)
+    seq_len = GPU_DEFAULTS["seq_len"]
+    cfg = GPTConfig(dim=GPU_DEFAULTS["dim"], n_layers=1, n_heads=n_heads, max_seq_len=seq_len)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
-        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-        model = train_tp.GPT(128, args.d_model, 1, args.heads, args.seq_len)
-        model = train_tp.apply_tp(model, mesh)
-        logits = model(torch.zeros(2, args.seq_len, dtype=torch.long))
-        return tuple(logits.shape), tuple(logits.to_local().shape)
+        mesh = build_mesh(tp, 1, 1, tp, 1, "cpu", cfg, seq_len)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        apply_tp(model, mesh["tp"])
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        with torch.no_grad():
+            logits = model(torch.zeros(1, seq_len, dtype=torch.long))
+        return tuple(logits.shape), tuple(logits.to_local().shape), seq_len, cfg.vocab_size
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
-def test_the_scripts_default_heads_split_whole_over_eight_gpus(tp):
-    shape, local = launch(_forward_at_tp, tp, ["--tp", str(tp)], world_size=1, timeout=120)[0]
-    assert shape == (2, 64, 128) and local == (2, 64, 128 // tp), "logits sharded over the vocabulary"
+@pytest.mark.parametrize("tp, n_heads", [(2, 12), (4, 12), (8, 16)])
+def test_the_notebooks_tp_lines_split_whole_heads_over_eight_gpus(tp, n_heads):
+    """--tp 2 and 4 with the GPU defaults' 12 heads, --tp 8 with --n-heads 16 (notebook 07's lines)."""
+    shape, local, seq_len, vocab = launch(_forward_at_tp, tp, n_heads, world_size=1, timeout=120)[0]
+    assert shape == (1, seq_len, vocab) and local == (1, seq_len, vocab // tp), "logits sharded over the vocabulary"
 
 
-def test_heads_that_tp_cannot_split_are_refused_before_anything_starts():
+def test_heads_that_tp_cannot_split_are_refused_before_anything_starts(monkeypatch, capsys):
+    """The GPU defaults' 12 heads at --tp 8: one line and exit status 2 from train.py's flags, no process group."""
     import sys
 
-    sys.path.insert(0, str(SCRIPTS))
-    import train_tp
+    sys.path.insert(0, str(SCRIPTS / "train"))
+    import train
 
-    with pytest.raises(SystemExit):
-        train_tp.parse_args(["--tp", "8", "--heads", "4"])
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(SystemExit) as refused:
+        train.parse_args(["--tp", "8", "--dim", "768", "--n-heads", "12"])
+    assert refused.value.code == 2 and "must divide the 12 attention heads" in capsys.readouterr().err
 
 
 def _pipeline_splits(pp, chunks, n_layers):

@@ -31,7 +31,6 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "train_amp.py": ["--steps", "4", "--batch", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2"],
     "train_ddp.py": ["--epochs", "1", "--hidden", "64", "--depth", "2", "--checkpoint", "digits_mlp.pt",
                      "--data", str(REPO_ROOT / "data" / "digits.npz")],  # the copy alone: told where the data is
-    "train_tp.py": ["--steps", "3", "--d-model", "64", "--layers", "1", "--batch", "2"],
 }
 RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "3"))  # 3 x 2 ranks: more processes than this machine's cores
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata"}
