@@ -73,9 +73,12 @@ def test_checkpointing_summary_states_the_removed_bytes_and_the_peaks():
     from helpers.measure.activations import checkpointing_summary
 
     mib = 2 ** 20
-    ac = {"saved_bytes": {False: 10 * mib, True: 4 * mib}, "n_layers": 3, "one_block_saved": 2.5 * mib,
-          "block_input_bytes": 0.5 * mib, "peak_label": "peak live tensors during one step",
-          "peak_bytes": {False: 12 * mib, True: 7.25 * mib}}
-    assert checkpointing_summary(ac) == ("saved for backward: 10.00 -> 4.00 MiB (exactly 3 x (one block's 2.50 MiB - "
-                                         "its 0.50 MiB input) removed); peak live tensors during one step 12.00 -> "
-                                         "7.25 MiB")
+    ac = {"saved_bytes": {"none": 10 * mib, "full": 4 * mib}, "held_bytes": {"none": 10.5 * mib, "full": 4.5 * mib},
+          "n_layers": 3, "one_block_saved": 2.5 * mib, "block_input_bytes": 0.5 * mib,
+          "peak_label": "peak live tensors during one step", "peak_bytes": {"none": 12 * mib, "full": 7.25 * mib}}
+    assert checkpointing_summary(ac).splitlines() == [
+        "none       saved for backward   10.00 MiB, alive after forward   10.50 MiB, peak live tensors during one step"
+        "   12.00 MiB",
+        "full       saved for backward    4.00 MiB, alive after forward    4.50 MiB, peak live tensors during one step"
+        "    7.25 MiB",
+        "full checkpointing removes exactly 3 x (one block's 2.50 MiB - its 0.50 MiB input)"]

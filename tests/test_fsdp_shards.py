@@ -100,7 +100,7 @@ def test_gathered_numel_pads_every_parameter_and_splits_root_from_blocks():
     class Tiny(nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(3, 5) for _ in range(2))  # weight 5x3, bias 5
+            self.layers = nn.ModuleDict({str(i): nn.Linear(3, 5) for i in range(2)})  # weight 5x3, bias 5
             self.head = nn.Linear(5, 7, bias=False)                            # 7x5
 
     with torch.device("meta"):
@@ -108,19 +108,14 @@ def test_gathered_numel_pads_every_parameter_and_splits_root_from_blocks():
     # world 2: dim 0 padded to even rows: 5 -> 6 (weight 6x3 = 18, bias 6), 7 -> 8 (8x5 = 40)
     assert gathered_numel(model, 2) == (40, 2 * (18 + 6))
     assert gathered_numel(model, 1) == (35, 2 * (15 + 5))
+    assert gathered_numel(model, 2, blocks=[model.head]) == (2 * 2 * (18 + 6), 40), "blocks named by the caller"
 
 
 def test_gathered_numel_reads_the_recipes_layers_as_the_blocks():
-    import sys
+    from model import GPT, GPTConfig
 
     from helpers.measure.fsdp_shards import gathered_numel
-    from helpers.paths import SCRIPTS
 
-    sys.path.insert(0, str(SCRIPTS / "train"))
-    try:
-        from model import GPT, GPTConfig
-    finally:
-        sys.path.remove(str(SCRIPTS / "train"))
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, max_seq_len=5))
     root, blocks = gathered_numel(model, 3)

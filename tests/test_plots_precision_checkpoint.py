@@ -20,9 +20,13 @@ def test_precision_figures():
     assert len(fig.axes[0].lines) == 5 and len(fig.axes[1].lines) == 5  # 4 differences + the zero line
     log = [{"step": i, "scale": 2.0 ** (10 - i), "overflow": i < 2, "loss": 1.0} for i in range(5)]
     assert len(precision.scaler_trajectory(log, 3).axes) == 2
-    ac = {"saved_bytes": {False: 4e6, True: 1e6}, "peak_bytes": {False: 5e6, True: 2e6},
-          "step_ms": {False: 10.0, True: 13.0}, "n_layers": 4, "peak_label": "peak"}
-    assert len(precision.activation_checkpointing(ac).axes) == 2
+    ac = {"saved_bytes": {"none": 4e6, "full": 1e6, "selective": 1e6}, "n_layers": 4, "peak_label": "peak",
+          "held_bytes": {"none": 4e6, "full": 1e6, "selective": 2.5e6},
+          "peak_bytes": {"none": 5e6, "full": 2e6, "selective": 3e6},
+          "step_ms": {"none": 10.0, "full": 13.0, "selective": 11.0}}
+    fig = precision.activation_checkpointing(ac)
+    assert len(fig.axes) == 2 and len(fig.axes[0].patches) == 3 * 3 and len(fig.axes[1].patches) == 3
+    assert fig.axes[0].patches[3 + 2].get_height() == 2.5e6 / 2 ** 20  # held bytes, selective
     rows = [("DDP: all-reduce", "float32", 4e6), ("FSDP: all-gather", "bfloat16", 2e6)]
     fig = precision.collective_bytes(rows, "t")
     assert [p.get_width() for p in fig.axes[0].patches] == [4e6 / 2 ** 20, 2e6 / 2 ** 20]

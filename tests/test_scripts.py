@@ -28,7 +28,6 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "dcp_resume.py": ["--total-steps=4", "--save-every=2", "--d-model=32", "--n-layers=1"],
     "hello_distributed.py": [],
     "rpc_parameter_server.py": ["--steps", "10", "--hidden", "32", "--depth", "1", "--samples", "500"],
-    "train_amp.py": ["--steps", "4", "--batch", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1", "--heads", "2"],
     "train_ddp.py": ["--epochs", "1", "--hidden", "64", "--depth", "2", "--checkpoint", "digits_mlp.pt",
                      "--data", str(REPO_ROOT / "data" / "digits.npz")],  # the copy alone: told where the data is
 }

@@ -145,14 +145,16 @@ class SavedActivations:
 
 
 def checkpointing_summary(ac: dict) -> str:
-    """Notebook 05's `checkpointing_cost` memory side in one line: the bytes saved for backward without and with
-    checkpointing (and the closed form of the difference: each block's saved tensors but its input), and the
-    peak of one step."""
+    """Notebook 05's `checkpointing_cost`, memory side, one line per checkpointing mode: the bytes saved for backward
+    as autograd's hooks see them, the bytes alive at the end of forward, the peak of one step; then the closed form
+    of what full checkpointing removes (each block's saved tensors but its input)."""
     mib = 2.0 ** 20
-    return (f"saved for backward: {ac['saved_bytes'][False] / mib:.2f} -> {ac['saved_bytes'][True] / mib:.2f} MiB "
-            f"(exactly {ac['n_layers']} x (one block's {ac['one_block_saved'] / mib:.2f} MiB - its "
-            f"{ac['block_input_bytes'] / mib:.2f} MiB input) removed); {ac['peak_label']} "
-            f"{ac['peak_bytes'][False] / mib:.2f} -> {ac['peak_bytes'][True] / mib:.2f} MiB")
+    lines = [f"{mode:<10} saved for backward {ac['saved_bytes'][mode] / mib:7.2f} MiB, alive after forward "
+             f"{ac['held_bytes'][mode] / mib:7.2f} MiB, {ac['peak_label']} {ac['peak_bytes'][mode] / mib:7.2f} MiB"
+             for mode in ac["saved_bytes"]]
+    lines.append(f"full checkpointing removes exactly {ac['n_layers']} x (one block's {ac['one_block_saved'] / mib:.2f} "
+                 f"MiB - its {ac['block_input_bytes'] / mib:.2f} MiB input)")
+    return "\n".join(lines)
 
 
 class _Saved:

@@ -43,17 +43,17 @@ def padded_numel(shapes: Iterable[Sequence[int]], world_size: int) -> int:
     return sum(padded_rows(s[0], world_size) * _rest(s) for s in shapes)
 
 
-def gathered_numel(model, world_size: int) -> tuple[int, int]:
+def gathered_numel(model, world_size: int, blocks=None) -> tuple[int, int]:
     """(root, blocks): elements FSDP2 all-gathers for a model sharded per block and then at the root, once each:
-    the root's own parameters, and all blocks' together. The blocks are the recipe's `layers` (a ModuleDict, what
-    `apply_fsdp` shards one by one) or a `.blocks` ModuleList. Each parameter counts as its unsharded buffer, dim 0
-    padded to a multiple of the world size (world x one rank's padded shard). Works on a meta-device model (shapes
-    only)."""
-    block_modules = list(model.layers.values()) if hasattr(model, "layers") else list(model.blocks)
-    in_blocks = {id(p) for b in block_modules for p in b.parameters()}
+    the root's own parameters, and all blocks' together. `blocks`: the modules sharded on their own (default: the
+    recipe's `model.layers`, the ModuleDict `apply_fsdp` shards one by one). Each parameter counts as its unsharded
+    buffer, dim 0 padded to a multiple of the world size (world x one rank's padded shard). Works on a meta-device
+    model (shapes only)."""
+    blocks_ = list(model.layers.values() if blocks is None else blocks)
+    in_blocks = {id(p) for b in blocks_ for p in b.parameters()}
     root = world_size * padded_numel([p.shape for p in model.parameters() if id(p) not in in_blocks], world_size)
-    blocks = sum(world_size * padded_numel([p.shape for p in b.parameters()], world_size) for b in block_modules)
-    return root, blocks
+    gathered = sum(world_size * padded_numel([p.shape for p in b.parameters()], world_size) for b in blocks_)
+    return root, gathered
 
 
 def fsdp_state_bytes(shapes: Sequence[Sequence[int]], world_size: int, rank: int, param_bytes: int = 4,

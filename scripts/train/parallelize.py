@@ -100,14 +100,20 @@ import torch
 from torch import nn
 
 
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block (as torchtitan does: the blocks are alike, so one compiled graph serves them all),
+    before FSDP2, so its hooks stay outside the compiled graphs. The compiled block is a wrapper whose parameter
+    names gain `_orig_mod.`; get_state_dict (and so every checkpoint) and init_weights drop it."""
+    for name, block in model.layers.named_children():
+        model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
 def _selective_policy():
     """Per-op selective checkpointing: keep the outputs of the matmuls and of attention (costly to recompute),
     recompute the rest (norms, GELU, adds: cheap, and their outputs are as large)."""
+    from torch.ops import aten  # not torch.ops.aten: cloudpickle (notebook 05's workers) cannot pickle torch.ops
     from torch.utils.checkpoint import CheckpointPolicy
 
-    aten = torch.ops.aten
     save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
             aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_attention_math.default}
@@ -149,14 +155,6 @@ def _checkpointed(forward, checkpoint, context_fn):
     def checkpointed_forward(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
     return checkpointed_forward
-
-
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block (as torchtitan does: the blocks are alike, so one compiled graph serves them all),
-    before FSDP2, so its hooks stay outside the compiled graphs. The compiled block is a wrapper whose parameter
-    names gain `_orig_mod.`; get_state_dict (and so every checkpoint) and init_weights drop it."""
-    for name, block in model.layers.named_children():
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
 # tensor parallel, and clipping across every mesh dimension: taught in notebook 07
