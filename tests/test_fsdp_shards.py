@@ -108,7 +108,7 @@ def test_gathered_numel_pads_every_parameter_and_splits_root_from_blocks():
     # world 2: dim 0 padded to even rows: 5 -> 6 (weight 6x3 = 18, bias 6), 7 -> 8 (8x5 = 40)
     assert gathered_numel(model, 2) == (40, 2 * (18 + 6))
     assert gathered_numel(model, 1) == (35, 2 * (15 + 5))
-    assert gathered_numel(model, 2, blocks=[model.head]) == (2 * 2 * (18 + 6), 40), "blocks named by the caller"
+    assert gathered_numel(model, 2, blocks=[model.head]) == (2 * (18 + 6), 40), "blocks named by the caller"
 
 
 def test_gathered_numel_reads_the_recipes_layers_as_the_blocks():
