@@ -144,9 +144,9 @@ def record_headlines(summary: dict) -> None:
 def whole_checkpoint(folder: str | os.PathLike, file: str | os.PathLike) -> dict:
     """A DCP folder read whole by one process: `dcp_to_torch_save(folder, file)`, then `torch.load(file)`.
 
-    Why here: notebook 06 shows that conversion once, then compares whole checkpoints of several runs (resumed
-    against uninterrupted, written at one world size against loaded at another); the two calls per comparison are
-    plumbing, not the lesson."""
+    Why here: notebook 06 compares whole checkpoints of several runs (resumed against uninterrupted, written at one
+    world size against loaded at another), optimizer state included, which the recipe's `export` (the model alone)
+    leaves out; the two calls per comparison are plumbing, not the lesson."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save(folder, file)
     return torch.load(file)
