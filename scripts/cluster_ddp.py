@@ -22,8 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))  # the recipe's modules, as train.py imports them
-from checkpoint import clear_staging, commit, latest, staging_dir  # noqa: E402  notebook 06's commit protocol
+try:  # notebook 06's commit protocol: the recipe's checkpoint.py, on the path already (a kernel) or in train/ here
+    from checkpoint import clear_staging, commit, latest, staging_dir
+except ModuleNotFoundError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
+    from checkpoint import clear_staging, commit, latest, staging_dir
 
 ENV_NAMES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "ROLE_WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
