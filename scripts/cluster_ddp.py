@@ -4,14 +4,15 @@
 
 Every global step trains on the same global batch however many ranks share it (rank r takes rows r::world), so the
 result depends on the world size only through float rounding; a DCP checkpoint (get_state_dict/set_state_dict) is
-written every --save-every steps and committed with notebook 06's protocol (dcp_resume.py, which must sit beside
-this file), and the script resumes from the newest committed one by itself, which is all torchrun's restarts and
-elastic membership changes need.
+written every --save-every steps and committed with notebook 06's protocol (the recipe's train/checkpoint.py, which
+must sit in train/ beside this file), and the script resumes from the newest committed one by itself, which is all
+torchrun's restarts and elastic membership changes need.
 """
 import argparse
 import gc
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dcp_resume import clear_staging, commit, latest, staging_dir  # notebook 06's commit protocol
+try:  # notebook 06's commit protocol: the recipe's checkpoint.py, on the path already (a kernel) or in train/ here
+    from checkpoint import clear_staging, commit, latest, staging_dir
+except ModuleNotFoundError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
+    from checkpoint import clear_staging, commit, latest, staging_dir
 
 ENV_NAMES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "ROLE_WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")

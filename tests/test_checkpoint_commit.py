@@ -1,9 +1,10 @@
-"""The commit protocol of the checkpoint recipe (scripts/dcp_resume.py, made of notebook 06's cells, and imported by
-notebook 09's scripts/cluster_ddp.py), with real DCP checkpoints in one process: a save becomes visible only once
+"""The commit protocol of the training recipe (scripts/train/checkpoint.py, made of notebook 06's cells, and imported
+by notebook 09's scripts/cluster_ddp.py), with real DCP checkpoints in one process: a save becomes visible only once
 complete, a crash during a save leaves the previous checkpoint the one that loads, and only the newest `keep`
 stay."""
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -12,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from helpers.paths import SCRIPTS
 
-sys.path.insert(0, str(SCRIPTS))
-import dcp_resume as recipe  # noqa: E402
+sys.path.insert(0, str(SCRIPTS / "train"))  # the recipe's modules import each other by name, as train.py does
+import checkpoint as recipe  # noqa: E402
 
 
 def save_step(root, step, value):
@@ -54,13 +55,23 @@ def test_keep_last_k_and_the_newest_is_latest(tmp_path):
     assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 100.0))
 
 
-def test_a_step_commits_once(tmp_path):
+def test_a_step_saved_again_replaces_the_committed_one(tmp_path):
+    # a rerun of a finished run saves its last step again: the new save wins, and it stays one checkpoint
     save_step(tmp_path, 7, 7.0)
     recipe.commit(tmp_path, 7)
     save_step(tmp_path, 7, 8.0)
-    with pytest.raises(OSError):  # renaming onto a committed, non-empty folder fails
-        recipe.commit(tmp_path, 7)
-    assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 7.0))
+    recipe.commit(tmp_path, 7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000007"]
+    assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 8.0))
+
+
+def test_commit_writes_the_runs_configuration_beside_the_data_when_given(tmp_path):
+    save_step(tmp_path, 3, 3.0)
+    path = recipe.commit(tmp_path, 3, keep=2, config={"model": {"dim": 32}})
+    assert path == tmp_path / "step_00000003"
+    assert json.loads((path / recipe.CONFIG_FILE).read_text()) == {"model": {"dim": 32}}
+    save_step(tmp_path, 4, 4.0)
+    assert not (recipe.commit(tmp_path, 4) / recipe.CONFIG_FILE).exists(), "no configuration, no file"
 
 
 def test_a_folder_without_metadata_is_not_latest(tmp_path):
@@ -92,6 +103,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_the_one_that_loads
 
 
 def test_the_cluster_script_commits_with_the_same_protocol():
+    sys.path.insert(0, str(SCRIPTS))
     import cluster_ddp
 
     for name in ("staging_dir", "commit", "latest", "clear_staging"):

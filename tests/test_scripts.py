@@ -25,7 +25,6 @@ from helpers.paths import REPO_ROOT, SCRIPTS
 SMOKE_ARGS: dict[str, list[str]] = {
     "cluster_ddp.py": ["--steps", "6", "--batch", "16", "--hidden", "8", "--save-every", "3"],
     "collectives.py": ["--elements-per-rank", "1000"],
-    "dcp_resume.py": ["--total-steps=4", "--save-every=2", "--d-model=32", "--n-layers=1"],
     "hello_distributed.py": [],
     "rpc_parameter_server.py": ["--steps", "10", "--hidden", "32", "--depth", "1", "--samples", "500"],
     "train_ddp.py": ["--epochs", "1", "--hidden", "64", "--depth", "2", "--checkpoint", "digits_mlp.pt",
@@ -41,11 +40,13 @@ def _scripts() -> list[Path]:
 
 
 def _sibling_imports(name: str) -> list[str]:
-    """The files of scripts/ that script `name` imports (it must be copied with them)."""
+    """The files of scripts/ that script `name` imports (it must be copied with them): a script beside it, or a
+    module of the recipe in train/ (cluster_ddp.py puts train/ on its path for checkpoint.py)."""
     tree = ast.parse((SCRIPTS / name).read_text())
     modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     modules |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    return sorted(f"{m}.py" for m in modules if (SCRIPTS / f"{m}.py").exists())
+    return sorted(f"{folder}{m}.py" for m in modules for folder in ("", "train/")
+                  if (SCRIPTS / f"{folder}{m}.py").exists())
 
 
 def test_every_script_is_made_of_its_notebooks_cells():
@@ -59,7 +60,8 @@ def test_a_script_imports_only_torch_numpy_and_the_standard_library(script: Path
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
-    siblings = {p.stem for p in _scripts()}  # a script may import another one (the commit protocol of dcp_resume.py)
+    # a script may import another one, or a module of the recipe (cluster_ddp.py: the commit protocol of checkpoint.py)
+    siblings = {p.stem for p in _scripts()} | {p.stem for p in (SCRIPTS / "train").glob("*.py")}
     foreign = sorted(m for m in imported
                      if m not in sys.stdlib_module_names and m not in ALLOWED_THIRD_PARTY and m not in siblings)
     assert foreign == [], f"{script.name} imports {foreign}"
@@ -84,6 +86,7 @@ def test_a_script_runs_cleanly_under_torchrun_without_helpers_every_time(name: s
         workdir = tmp_path / f"run{attempt}"
         workdir.mkdir()
         for needed in (name, *_sibling_imports(name)):  # the script and the scripts it imports, nothing else
+            (workdir / needed).parent.mkdir(exist_ok=True)
             shutil.copy(SCRIPTS / needed, workdir / needed)
         runs.append(subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, stdin=subprocess.DEVNULL, start_new_session=True))

@@ -14,9 +14,7 @@ import pytest
 
 from helpers.paths import SCRIPTS
 
-# the recipes that save or load with DCP (notebooks 06 and 09) or run DTensor and pipeline stages (07, 08), and the
-# first scripts (00, 01, 02): every script that may run NCCL sets its device first
-RECIPES = ["cluster_ddp.py", "dcp_resume.py", "train/train.py", "hello_distributed.py",
+RECIPES = ["cluster_ddp.py", "train/train.py", "hello_distributed.py",
            "collectives.py", "train_ddp.py"]
 
 

@@ -7,8 +7,9 @@ spends its time elsewhere (planning, pickling, collectives); one far above it wa
 off, or a cache answering). Fixed costs (planning, metadata, the collectives) dominate a small state, so the state
 measured must be large (hundreds of MB on a GPU) for the ratio to say anything about the writing.
 
-The worker that times the saves is notebook 06's (`save_costs` in scripts/dcp_resume.py, plain PyTorch); this
-module only summarises what its ranks return, lays out a checkpoint folder, and runs the crash demos' launches.
+The worker that times the saves is notebook 06's (`save_costs` in its cells, plain PyTorch, on the training
+recipe's state); this module only summarises what its ranks return, lays out a checkpoint folder, and runs the
+crash demos' launches.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def layout_text(layout: dict) -> str:
     lines.append(f"\n{layout['name']}: global shape {layout['shape']}; chunks (offset, size) and file:")
     lines += [f"   {c['offsets']}  {c['sizes']}  -> {c['file']}" for c in layout["chunks"]]
     keys = layout["keys"]
-    lines.append(f"\n{len(keys)} keys, e.g. {[k for k in keys if not k.startswith('app.optim')][-6:]}")
+    lines.append(f"\n{len(keys)} keys, e.g. {[k for k in keys if '.optim.' not in k][-6:]}")
     lines.append(f"tensors (global shapes) {layout['tensor_bytes']:,} bytes; data files {layout['file_bytes']:,} "
                  f"({layout['file_bytes'] / layout['tensor_bytes']:.3f}x)")
     return "\n".join(lines)
@@ -143,9 +144,9 @@ def record_headlines(summary: dict) -> None:
 def whole_checkpoint(folder: str | os.PathLike, file: str | os.PathLike) -> dict:
     """A DCP folder read whole by one process: `dcp_to_torch_save(folder, file)`, then `torch.load(file)`.
 
-    Why here: notebook 06 shows that conversion once, then compares whole checkpoints of several runs (resumed
-    against uninterrupted, written at one world size against loaded at another); the two calls per comparison are
-    plumbing, not the lesson."""
+    Why here: notebook 06 compares whole checkpoints of several runs (resumed against uninterrupted, written at one
+    world size against loaded at another), optimizer state included, which the recipe's `export` (the model alone)
+    leaves out; the two calls per comparison are plumbing, not the lesson."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save(folder, file)
     return torch.load(file)

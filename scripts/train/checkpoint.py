@@ -13,7 +13,7 @@ The commit protocol: every rank saves into a staging directory `.step_N.partial`
 (DCP's `.metadata`, written last by the coordinator, after every rank's data), rank 0 renames it to `step_N`
 (atomic within one file system), fsyncs the parent, and deletes all but the newest `keep`. A reader only ever
 loads a `step_N` with its `.metadata`: a crash during a save leaves a staging directory, never a half checkpoint
-under a committed name.
+under a committed name. Notebook 09's cluster_ddp.py commits with the same functions.
 """
 from __future__ import annotations
 
@@ -76,13 +76,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit(root: str | Path, step: int, keep: int, config: dict) -> Path:
-    """Publish a finished save (rank 0 only, after the save returned on it): write the run's configuration beside
-    the data, rename the staging directory to step_N, fsync the parent, delete all but the newest `keep`."""
+def commit(root: str | Path, step: int, keep: int = 2, config: dict | None = None) -> Path:
+    """Publish a finished save (rank 0 only, after the save returned on it): write the run's configuration (if
+    any) beside the data, rename the staging directory to step_N, fsync the parent so the rename survives a power
+    cut, delete all but the newest `keep`."""
     staged, final = staging_dir(root, step), step_dir(root, step)
     if not (staged / ".metadata").exists():
         raise FileNotFoundError(f"the save of step {step} did not finish: {staged} has no .metadata")
-    (staged / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    if config is not None:
+        (staged / CONFIG_FILE).write_text(json.dumps(config, indent=1))
     if final.exists():            # the same step saved again (a rerun of a finished run): the new one wins
         shutil.rmtree(final)
     os.rename(staged, final)
@@ -92,6 +94,21 @@ def commit(root: str | Path, step: int, keep: int, config: dict) -> Path:
     return final
 
 
+def clear_staging(root: str | Path) -> None:
+    """Delete the staging directories of saves that never finished (one rank, before any rank saves again)."""
+    for debris in Path(root).glob(".step_*.partial"):
+        shutil.rmtree(debris)
+
+
+def make_stager(device: torch.device):
+    """For a state on GPUs, one stager for the run: its pinned host copy of the state is allocated at the first
+    async save and refilled at every later one, at the host link's speed. For CPU state None: async_save's
+    default staging (a fresh copy per save; there is no pinned memory to reuse)."""
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    return BlockingAsyncStager(cache_staged_state_dict=True) if torch.device(device).type == "cuda" else None
+
+
 class Checkpointer:
     """Saves (sync or async) and loads a TrainState under `root` with the commit protocol above."""
 
@@ -99,12 +116,12 @@ class Checkpointer:
         self.root, self.keep, self.async_save, self.config = Path(root), keep, async_save, config or {}
         self.pending = None           # (future, step) of an async save not yet committed
         self.saved_step = None        # the step of the last save (committed, or pending)
+        self.stager = None            # the async saves' stager, made at the first one (make_stager)
         # async saves talk on a gloo group of their own, so they never queue behind the training's collectives
         self.group = dist.new_group(backend="gloo") if async_save else None
         if dist.get_rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for debris in self.root.glob(".step_*.partial"):    # saves that never finished
-                shutil.rmtree(debris)
+            clear_staging(self.root)
         dist.barrier()                # the debris is gone before any rank stages a save
 
     def load_latest(self, state: TrainState) -> Path | None:
@@ -121,7 +138,10 @@ class Checkpointer:
         self.saved_step = state.step
         staged = staging_dir(self.root, state.step)
         if self.async_save:
-            future = dcp.async_save({"train": state}, checkpoint_id=staged, process_group=self.group)
+            if self.stager is None:
+                self.stager = make_stager(next(state.model.parameters()).device)
+            future = dcp.async_save({"train": state}, checkpoint_id=staged, process_group=self.group,
+                                    async_stager=self.stager)
             self.pending = (future, state.step)
         else:
             dcp.save({"train": state}, checkpoint_id=staged)
@@ -129,7 +149,8 @@ class Checkpointer:
                 commit(self.root, state.step, self.keep, self.config)
 
     def wait(self) -> None:
-        """Finish and commit an async save in flight (call before exiting)."""
+        """Finish and commit an async save in flight (call before exiting): the future returns once the whole save
+        is written, DCP's `.metadata` included."""
         if self.pending is not None:
             future, step = self.pending
             self.pending = None
