@@ -160,7 +160,7 @@ def shard_batches(x, y, index, n_shards, batch_size, seed=0):
 
 
 def ps_job(design, steps, batch_size, hidden, depth, lr, train, test, codec=None, die=None, die_after=None,
-           rpc_timeout=60, shutdown_timeout=20):
+           rpc_timeout=60, shutdown_timeout=20, log_every=0):
     """Rank 0 serves and returns the run's record; ranks 1..T train and return the bytes of each push."""
     trainers = [f"trainer{r}" for r in range(1, int(os.environ["WORLD_SIZE"]))]
     if os.environ["RANK"] == "0":
@@ -179,11 +179,15 @@ def ps_job(design, steps, batch_size, hidden, depth, lr, train, test, codec=None
             if name == die and step == die_after:
                 os._exit(1)  # a crash: no exception, no goodbye; the process is simply gone
             x, y = next(batches)
-            grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+            loss = F.cross_entropy(model(x), y)
+            grads = torch.autograd.grad(loss, list(model.parameters()))
             payload = codec.encode(grads) if codec else grads
             record["sent"].append(codec.nbytes(payload) if codec else sum(g.numel() * g.element_size() for g in grads))
             params, version = ps_rref.rpc_sync().push(name, payload, version, len(y))  # runs on ps
             load(model, params)
+            if log_every and name == trainers[0] and (step + 1) % log_every == 0:
+                print(f"{name}: step {step + 1}/{steps}, server version {version}, loss {loss.item():.4f}",
+                      flush=True)
         ps_rref.rpc_sync(timeout=0).finish(name)  # 0: no limit; a launch's or a job's own timeout bounds it
     try:
         rpc.shutdown(graceful=True, timeout=shutdown_timeout)
@@ -219,7 +223,8 @@ def main():
     parser.add_argument("--samples", type=int, default=4000, help="size of the stand-in data set")
     args = parser.parse_args()
     train, test = clustered_data(args.samples)
-    record = ps_job(args.design, args.steps, args.batch, args.hidden, args.depth, args.lr, train, test)
+    record = ps_job(args.design, args.steps, args.batch, args.hidden, args.depth, args.lr, train, test,
+                    log_every=max(1, args.steps // 8))
     gc.collect()  # ps_job has shut RPC down; what it built is freed before the interpreter exits
     if os.environ["RANK"] == "0":
         print(f"summary: {args.design} parameter server, {int(os.environ['WORLD_SIZE']) - 1} trainers, "

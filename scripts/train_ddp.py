@@ -133,14 +133,14 @@ def accuracy(model, dataset, device):
 
 
 def fit(device, epochs, batch_size, accum, lr, hidden, depth, checkpoint=None, seed=0, dropout=0.0, warmup_steps=0,
-        data=DIGITS):
+        data=DIGITS, log=False):
     train_set, test_set = load_digits(data)
     loader, sampler = shard_loader(train_set, batch_size, seed)
     model = replicated_model(device, hidden, depth, seed, dropout)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     # a large global batch with its lr scaled up diverges early: ramp the lr up linearly (Goyal et al. 2017)
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, 1 / max(warmup_steps, 1), total_iters=warmup_steps)
-    losses, curve = [], []
+    losses, curve, started = [], [], time.perf_counter()
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         batches = iter(loader)
@@ -148,6 +148,9 @@ def fit(device, epochs, batch_size, accum, lr, hidden, depth, checkpoint=None, s
             losses.append(train_step(model, optimizer, [next(batches) for _ in range(accum)], device))
             warmup.step()
         curve.append(accuracy(model.module, test_set, device))  # test accuracy after each epoch
+        if log and dist.get_rank() == 0:
+            print(f"epoch {epoch + 1}/{epochs}: loss {losses[-1]:.4f}, test accuracy {curve[-1]:.3f}, "
+                  f"{time.perf_counter() - started:.0f} s so far", flush=True)
     restored = None
     if checkpoint:
         if dist.get_rank() == 0:
@@ -174,7 +177,7 @@ def main():
     parser.add_argument("--data", default=str(DIGITS), help="the digits (.npz with 'images' and 'labels')")
     args = parser.parse_args()
     result = run_distributed(fit, args.epochs, args.batch_size, args.accum, args.lr, args.hidden, args.depth,
-                              args.checkpoint, args.seed, args.dropout, args.warmup_steps, args.data)
+                              args.checkpoint, args.seed, args.dropout, args.warmup_steps, args.data, log=True)
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"summary: world_size={os.environ.get('WORLD_SIZE', 1)} steps={len(result['losses'])} "
               f"final_loss={result['losses'][-1]:.4f} test_accuracy={result['accuracy']:.3f} "

@@ -13,7 +13,9 @@ import ast
 import pytest
 
 from helpers.paths import SCRIPTS
-
+# the recipes that save or load with DCP (notebooks 06 and 09: train/train.py, cluster_ddp.py) or run DTensor and
+# pipeline stages (07, 08: train/train.py), and the first scripts (00, 01, 02): every script that may run NCCL sets
+# its device first
 RECIPES = ["cluster_ddp.py", "train/train.py", "hello_distributed.py",
            "collectives.py", "train_ddp.py"]
 
