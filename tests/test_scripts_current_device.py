@@ -13,6 +13,7 @@ import ast
 import pytest
 
 from helpers.paths import SCRIPTS
+
 # the recipes that save or load with DCP (notebooks 06 and 09: train/train.py, cluster_ddp.py) or run DTensor and
 # pipeline stages (07, 08: train/train.py), and the first scripts (00, 01, 02): every script that may run NCCL sets
 # its device first
