@@ -94,7 +94,7 @@ def cell_interrupted_after(seconds: float):
 HEAVY_NOTEBOOKS = {"05_mixed_precision", "06_checkpointing_and_fault_tolerance"}
 
 
-@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: see _papermill_where_the_browser_runs
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into node ids (`name@group`)
 def pytest_collection_modifyitems(config, items):
     """`./cookbook test` runs two tests at a time (pytest-xdist, `--dist loadgroup`), each worker a process with its
     own fork-server, so the checks above hold per worker. The browser test (JupyterLab in Chromium, waiting on a
@@ -110,7 +110,6 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("browser") or (item.get_closest_marker("notebook") and callspec is not None
                                                   and callspec.id in HEAVY_NOTEBOOKS):
             item.add_marker(pytest.mark.xdist_group("heavy"))
-    _papermill_where_the_browser_runs(items)
 
 
 def _browser_can_run() -> bool:
@@ -120,6 +119,19 @@ def _browser_can_run() -> bool:
 
     tools = (Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"))
     return all(p.is_file() and os.access(p, os.X_OK) for p in tools) and importlib.util.find_spec("selenium") is not None
+
+
+class _PapermillWhereTheBrowserRuns:
+    """Registered by pytest_configure: its hook must run after -m and -k have deselected (trylast), while the group
+    marks above must be set before pytest-xdist reads them, so the two cannot be one hook."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        _papermill_where_the_browser_runs(items)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_PapermillWhereTheBrowserRuns(), "papermill-where-the-browser-runs")
 
 
 def _papermill_where_the_browser_runs(items) -> None:

@@ -189,6 +189,15 @@ def _assert_same_losses(result: Result, reference: Result, name: str) -> None:
         f"{name}: eval loss {result.final_eval()} against one process's {reference.final_eval()}"
 
 
+def test_under_xdist_the_recipes_runs_are_made_on_one_worker(request):
+    """The runs above are module-scoped fixtures: tests/conftest.py puts this module's tests in one xdist group, so
+    one worker makes them once. Without the group each worker that gets a test makes every run again (in 2026 a
+    pytest release silently dropped the groups: the suite took 3 minutes longer)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None or not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not run by pytest-xdist with --dist loadgroup")
+    assert request.node.nodeid.endswith("@recipe"), f"{request.node.nodeid} is in no xdist group"
+
+
 def test_prepare_writes_the_texts_bytes_with_a_held_out_tail(workspace):
     import numpy as np
 
