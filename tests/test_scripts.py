@@ -145,3 +145,33 @@ def test_the_flags_are_read_as_argparse_would_define_them(tmp_path: Path):
                            cwd=tmp_path).stdout
     listed = set(re.findall(r"^  (?:-\w, )?(--[\w-]+)", shown, re.M))  # argparse's option lines
     assert _flags(script) == listed and len(listed) > 3
+
+
+def _planted_notebook(path: Path, *tagged: tuple[str, str]) -> None:
+    import json
+
+    cells = [{"cell_type": "code", "id": f"c{i}", "metadata": {"tags": [tag]}, "outputs": [], "execution_count": None,
+              "source": source} for i, (tag, source) in enumerate(tagged)]
+    path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+
+
+def test_a_recipe_module_is_made_of_several_notebooks_cells_in_notebook_order(tmp_path: Path):
+    from tools.export import exported_scripts
+
+    _planted_notebook(tmp_path / "03_a.ipynb", ("script:train/par.py", '"""Doc."""\nimport torch\n\n\ndef a():\n    pass'))
+    _planted_notebook(tmp_path / "07_b.ipynb", ("script:train/par.py", "def b():\n    pass"),
+                      ("script:train/cli.py", "def main():\n    pass"))
+    scripts = exported_scripts(tmp_path)
+    par = scripts["train/par.py"]
+    assert par.index("03_a.ipynb") < par.index("07_b.ipynb") < par.index('"""Doc."""') < par.index("def a") < par.index("def b")
+    assert "__main__" not in par, "an imported module without main() gets no __main__ block"
+    assert scripts["train/cli.py"].rstrip().endswith("main()"), "a module that defines main() runs it as a script"
+
+
+@pytest.mark.parametrize("tag", ["script:other/x.py", "script:train/x.txt", "script:train/sub/x.py"])
+def test_a_tag_outside_scripts_and_its_recipe_folder_is_refused(tmp_path: Path, tag: str):
+    from tools.export import exported_scripts
+
+    _planted_notebook(tmp_path / "01_a.ipynb", (tag, "def main():\n    pass"))
+    with pytest.raises(ValueError, match="must name a file"):
+        exported_scripts(tmp_path)

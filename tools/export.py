@@ -30,7 +30,8 @@ TAG_PREFIX = "script:"
 HEADER = ("# Written by `./cookbook export` from notebooks/{notebook}, cells tagged '{tag}'.\n"
           "# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 {name} --help\n")
 MODULE_HEADER = ("# Written by `./cookbook export` from the cells tagged '{tag}' in\n"
-                 "# notebooks/{notebooks}.\n# Edit those cells, not this file.\n")
+                 "{notebooks}"
+                 "# Edit those cells, not this file.\n")
 RECIPE = "train"   # the recipe's folder under scripts/
 FOOTER = '\n\nif __name__ == "__main__":\n    main()\n'
 
@@ -65,7 +66,7 @@ def module_text(name: str, parts: list[tuple[str, list[str]]]) -> str:
     """The text of a recipe module, scripts/train/NAME: the cells of every notebook that tags it, in notebook order;
     the `__main__` block only where the module defines main()."""
     body = "\n\n\n".join(source for _, sources in parts for source in sources)
-    notebooks = ", ".join(notebook for notebook, _ in parts)
+    notebooks = "".join(f"#   notebooks/{notebook}\n" for notebook, _ in parts)
     footer = FOOTER if "\ndef main(" in "\n" + body else "\n"
     return MODULE_HEADER.format(tag=TAG_PREFIX + name, notebooks=notebooks) + body + footer
 

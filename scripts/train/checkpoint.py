@@ -1,5 +1,5 @@
 # Written by `./cookbook export` from the cells tagged 'script:train/checkpoint.py' in
-# notebooks/06_checkpointing_and_fault_tolerance.ipynb.
+#   notebooks/06_checkpointing_and_fault_tolerance.ipynb
 # Edit those cells, not this file.
 """Distributed checkpoints (torch.distributed.checkpoint) with one commit protocol, and the export for inference.
 

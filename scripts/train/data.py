@@ -1,5 +1,5 @@
 # Written by `./cookbook export` from the cells tagged 'script:train/data.py' in
-# notebooks/06_checkpointing_and_fault_tolerance.ipynb.
+#   notebooks/06_checkpointing_and_fault_tolerance.ipynb
 # Edit those cells, not this file.
 """Tokens on disk, windows of them, and a loader whose position is part of the checkpoint.
 

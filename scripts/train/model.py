@@ -1,5 +1,5 @@
 # Written by `./cookbook export` from the cells tagged 'script:train/model.py' in
-# notebooks/03_fsdp_and_device_mesh.ipynb.
+#   notebooks/03_fsdp_and_device_mesh.ipynb
 # Edit those cells, not this file.
 """The GPT every part of the recipe trains: a decoder-only transformer on bytes, in torchtitan's module names.
 

@@ -1,5 +1,5 @@
 # Written by `./cookbook export` from the cells tagged 'script:train/plan.py' in
-# notebooks/10_parallelism_planner.ipynb.
+#   notebooks/10_parallelism_planner.ipynb
 # Edit those cells, not this file.
 """Plan a parallel layout for the cookbook's GPT before renting the GPUs: bytes per rank, bytes on the wire per
 step, a step time, and the `torchrun` line of the training recipe that runs it.

@@ -1,5 +1,5 @@
 # Written by `./cookbook export` from the cells tagged 'script:train/train.py' in
-# notebooks/09_from_notebook_to_cluster.ipynb.
+#   notebooks/09_from_notebook_to_cluster.ipynb
 # Edit those cells, not this file.
 """Train the GPT of model.py under torchrun, at any layout of data, tensor and pipeline parallelism.
 
