@@ -108,3 +108,22 @@ def test_the_cluster_script_commits_with_the_same_protocol():
 
     for name in ("staging_dir", "commit", "latest", "clear_staging"):
         assert getattr(cluster_ddp, name) is getattr(recipe, name), f"cluster_ddp.py has its own {name}"
+
+
+def test_an_async_save_is_committed_by_poll_once_written_and_not_before(tmp_path, monkeypatch):
+    """`Checkpointer.poll()`, called every step by train.py: a crash between two saves loses only the steps since
+    the last one written, not a save that finished in the background but waited for the next save to commit."""
+    from concurrent.futures import Future
+
+    monkeypatch.setattr(recipe.dist, "get_rank", lambda: 0)  # rank 0 commits; no process group needed for that
+    checkpointer = object.__new__(recipe.Checkpointer)       # its __init__ makes a gloo group: not needed here
+    checkpointer.root, checkpointer.keep, checkpointer.config = tmp_path, 2, {}
+    save_step(tmp_path, 4, 4.0)
+    written = Future()
+    checkpointer.pending = (written, 4)
+    checkpointer.poll()
+    assert recipe.latest(tmp_path) is None and checkpointer.pending is not None, "still being written: not committed"
+    written.set_result(None)
+    checkpointer.poll()
+    assert recipe.latest(tmp_path) == tmp_path / "step_00000004" and checkpointer.pending is None
+    assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 4.0))

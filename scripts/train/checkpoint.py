@@ -133,7 +133,8 @@ class Checkpointer:
 
     def save(self, state: TrainState) -> None:
         """Save `state` at its step. Sync: written and committed when this returns. Async: the state is copied to
-        host memory before this returns, written in the background, committed at the next save or `wait()`."""
+        host memory before this returns, written in the background, committed by `poll()` once written (or by the
+        next save or `wait()`)."""
         self.wait()
         self.saved_step = state.step
         staged = staging_dir(self.root, state.step)
@@ -147,6 +148,13 @@ class Checkpointer:
             dcp.save({"train": state}, checkpoint_id=staged)
             if dist.get_rank() == 0:
                 commit(self.root, state.step, self.keep, self.config)
+
+    def poll(self) -> None:
+        """Commit an async save as soon as it is written (call once a step): a crash between two saves then loses
+        only the steps since the last one. Not a collective: rank 0's future is done only when DCP has written
+        `.metadata`, after every rank's writes; another rank just drops its finished future."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
 
     def wait(self) -> None:
         """Finish and commit an async save in flight (call before exiting): the future returns once the whole save

@@ -596,6 +596,8 @@ def train(device: torch.device, args) -> dict:
                 write_metrics(metrics, step=step, eval_loss=eval_loss)
             if checkpointer and args.save_every and step % args.save_every == 0 and step < args.steps:
                 checkpointer.save(trainer.state)
+            elif checkpointer:
+                checkpointer.poll()                            # an async save written since: committed now
             plant_crash(args, step, rank, world)
             if stop.agreed():
                 log(rank, f"step {step:>6}  stopping on signal {stop.signal or 'from a peer'}: saving and exiting")
