@@ -103,12 +103,13 @@ import torch
 from torch import nn
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, backend="inductor") -> None:
     """torch.compile each block (as torchtitan does: the blocks are alike, so one compiled graph serves them all),
     before FSDP2, so its hooks stay outside the compiled graphs. The compiled block is a wrapper whose parameter
-    names gain `_orig_mod.`; get_state_dict (and so every checkpoint) and init_weights drop it."""
+    names gain `_orig_mod.`; get_state_dict (and so every checkpoint) and init_weights drop it. `backend`: any
+    torch.compile backend (notebook 07 passes one that counts the graphs it is handed)."""
     for name, block in model.layers.named_children():
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+        model.layers.register_module(name, torch.compile(block, fullgraph=True, backend=backend))
 
 
 def _selective_policy():
