@@ -9,10 +9,15 @@ its wording, live here once:
   tolerance for a figure quoted rounded): 'within', 'below', 'above'; 'inconclusive' where the interval the
   repeats allow (`spread`) straddles an edge of the claim; 'not comparable here' with the reason where the
   advice's setting (8 GPUs, InfiniBand, A100s) is not this machine's. Other measuring modules print it too.
-- `judge` turns that placement into the appendix's four answers: 'holds' (within), 'does not hold' (below or
-  above), 'inconclusive', 'not comparable here'. `judge_finding` does the same for advice whose test is a yes/no
-  finding (an API this torch has, a warning it raises, an exception clause that ran), the finding computed by
-  the caller from what it ran.
+- `judge` turns that placement into the appendix's five answers: 'holds' (within), 'exceeds the claim' (beyond
+  the claimed range in the direction the advice promises: a 7x speed-up against a claimed 2-3x), 'does not hold'
+  (below or above otherwise), 'inconclusive', 'not comparable here'. `judge_finding` does the same for advice
+  whose test is a yes/no finding (an API this torch has, a warning it raises, an exception clause that ran), the
+  finding computed by the caller from what it ran.
+- `machine_setting()` reads the facts a claim's setting is made of (GPUs and their kind, nodes, InfiniBand or
+  RoCE devices, NUMA nodes) from this machine, and `missing(machine, gpus=8, infiniband=True, ...)` names each
+  one this machine lacks. A verdict is 'not comparable here' only through that list (`judge(..., missing=...)`),
+  so on a machine that reports the facts the same cell measures instead: the setting is read, never typed.
 - `median_interval` is the noise of a median (a seeded bootstrap), shared by every module that times something.
 
 A notebook never asserts a verdict's outcome (that would fix a noisy result in advance); it asserts properties of
@@ -25,7 +30,7 @@ import random
 import statistics
 from dataclasses import dataclass
 
-ANSWERS = ("holds", "does not hold", "inconclusive", "not comparable here")
+ANSWERS = ("holds", "exceeds the claim", "does not hold", "inconclusive", "not comparable here")
 
 
 def claim_text(low: float, high: float | None, unit: str = "") -> str:
@@ -55,16 +60,21 @@ def median_interval(samples, confidence: float = 0.9, resamples: int = 2000, see
 
 def verdict(measured: float | None, low: float, high: float | None, *, slack: float | tuple[float, float] = 0.0,
             unit: str = "", applicable: bool = True, reason: str = "",
-            spread: tuple[float, float] | None = None) -> str:
+            spread: tuple[float, float] | None = None, better: str | None = None) -> str:
     """Where `measured` falls against the claimed range [low, high] (same unit; high=None: no upper end).
 
     slack: a tolerance either side, or (below, above), for claims quoted as a single rounded figure; a value
     inside the tolerance but outside the range says so. applicable=False: the claim's conditions do not hold on
     this machine (`reason` says why: the claim's setting beside this machine's), whatever was measured.
     spread: the interval the measurement's noise allows (same unit); where it straddles a boundary of the claim
-    (widened by the tolerance) the verdict is 'inconclusive'. Returns a sentence starting with 'within', 'below',
-    'above', 'inconclusive', 'not measured here' or 'not comparable here'.
+    (widened by the tolerance) the verdict is 'inconclusive'. better: 'higher' or 'lower', the direction the advice
+    promises (a speed-up, a saving: 'higher'); a figure past the claimed range on that side is 'beyond' the claim
+    (the effect is larger than claimed), and noise that straddles only that far edge cannot turn 'within' into
+    'inconclusive'. Returns a sentence starting with 'within', 'beyond', 'below', 'above', 'inconclusive',
+    'not measured here' or 'not comparable here'.
     """
+    if better not in (None, "higher", "lower"):
+        raise ValueError(f"better must be 'higher', 'lower' or None, not {better!r}")
     if not applicable:
         return f"not comparable here: {reason or 'the claim was made for a setting this machine does not have'}"
     if measured is None or not math.isfinite(measured):
@@ -73,7 +83,8 @@ def verdict(measured: float | None, low: float, high: float | None, *, slack: fl
     claim = claim_text(low, high, unit)
     if spread is not None:
         lo, hi = sorted(float(v) for v in spread)
-        edges = [low - below] + ([] if high is None else [high + above])
+        edges = ([] if better == "lower" else [low - below]) + ([] if high is None or better == "higher"
+                                                                   else [high + above])
         if any(lo < edge < hi for edge in edges):
             return (f"inconclusive: the measurement's noise allows {lo:.3g}-{hi:.3g}{unit}, which straddles the "
                     f"edge of the claimed {claim}")
@@ -83,6 +94,10 @@ def verdict(measured: float | None, low: float, high: float | None, *, slack: fl
         tolerance = f"±{below:g}{unit}" if below == above else f"-{below:g}/+{above:g}{unit}"
         return f"within the claimed {claim}, given the tolerance {tolerance}"
     end = "it" if high == low else ("its low end" if measured < low else "its high end")
+    if (better == "higher" and high is not None and measured > high) or (better == "lower" and measured < low):
+        factor = (f" ({measured / high:.3g}x its high end)" if measured > high and high > 0 else
+                  f" ({low / measured:.3g}x under its low end)" if measured < low and measured > 0 and low > 0 else "")
+        return f"beyond the claimed {claim}{factor}, in the direction the advice promises"
     if measured < low:
         factor = f" ({low / measured:.3g}x under {end})" if measured > 0 and low > 0 else ""
         return f"below the claimed {claim}{factor}"
@@ -91,14 +106,64 @@ def verdict(measured: float | None, low: float, high: float | None, *, slack: fl
 
 
 def answer(placement: str) -> str:
-    """The appendix's answer for one of `verdict`'s sentences: within -> holds, below/above -> does not hold."""
+    """The appendix's answer for one of `verdict`'s sentences: within -> holds, beyond -> exceeds the claim,
+    below/above -> does not hold."""
     if placement.startswith("within"):
         return "holds"
+    if placement.startswith("beyond"):
+        return "exceeds the claim"
     if placement.startswith(("below", "above")):
         return "does not hold"
     if placement.startswith("inconclusive"):
         return "inconclusive"
     return "not comparable here"
+
+
+def _lacks(missing) -> str:
+    return "this machine lacks " + "; ".join(missing) if missing else ""
+
+
+def machine_setting() -> dict:
+    """The facts a claim's setting is made of, as this machine reports them: GPUs (count, names, compute
+    capability, memory of the first), nodes of this job (SLURM's or torchrun's count; 1 for a notebook on one
+    machine), InfiniBand or RoCE devices (/sys/class/infiniband), NUMA nodes, numactl, cores, TCP buffers."""
+    import os
+
+    import torch
+
+    from helpers.devices import machine_facts
+    from helpers.measure.collectives import transport_facts
+
+    facts, net = machine_facts(), transport_facts()
+    gpus = facts["gpus"]
+    capability = torch.cuda.get_device_capability(0) if gpus else None
+    memory = torch.cuda.get_device_properties(0).total_memory if gpus else 0
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or max(1, world // local))
+    return {"gpus": gpus, "gpu_names": facts["gpu_names"], "capability": capability, "gpu_memory": memory,
+            "nodes": nodes, "infiniband": net["infiniband"], "numa_nodes": net["numa_nodes"] or 1,
+            "numactl": net["numactl"], "cores": facts["cores"], "tcp_rmem": net["tcp_rmem"]}
+
+
+def missing(machine: dict, *, gpus: int = 0, gpu_memory_gb: float = 0, capability: tuple[int, int] | None = None,
+            nodes: int = 1, infiniband: bool = False, numa_nodes: int = 1) -> list[str]:
+    """Each fact of a claim's setting that `machine` (`machine_setting()`, or a test's stand-in) lacks, as a
+    phrase naming what the claim needs and what this machine has; [] where the setting is present."""
+    lacks = []
+    if machine["gpus"] < gpus:
+        lacks.append(f"{gpus} GPU(s) (it has {machine['gpus']})")
+    if gpu_memory_gb and machine["gpus"] and machine["gpu_memory"] < gpu_memory_gb * 0.95e9:
+        lacks.append(f"GPUs of {gpu_memory_gb:g} GB (its first has {machine['gpu_memory'] / 1e9:.0f} GB)")
+    if capability and machine["gpus"] and tuple(machine["capability"] or (0, 0)) < tuple(capability):
+        lacks.append(f"compute capability {capability[0]}.{capability[1]} or later "
+                     f"(it has {'.'.join(map(str, machine['capability']))})")
+    if machine["nodes"] < nodes:
+        lacks.append(f"{nodes} nodes (this job runs on {machine['nodes']})")
+    if infiniband and not machine["infiniband"]:
+        lacks.append("an InfiniBand or RoCE device (/sys/class/infiniband is empty or absent)")
+    if machine["numa_nodes"] < numa_nodes:
+        lacks.append(f"{numa_nodes} NUMA nodes (it has {machine['numa_nodes']})")
+    return lacks
 
 
 @dataclass
@@ -125,10 +190,13 @@ class Judged:
 
 
 def judge(slug: str, advice: str, setting: str, measured: str, value: float | None, low: float,
-          high: float | None, **placement) -> Judged:
-    """A numeric claim (`value` against [low, high], with `verdict`'s keywords: slack, unit, spread, applicable,
-    reason) as a row whose verdict starts with one of ANSWERS, followed by where the value fell."""
-    placed = verdict(value, low, high, **placement)
+          high: float | None, *, missing: list[str] | tuple = (), **placement) -> Judged:
+    """A numeric claim (`value` against [low, high], with `verdict`'s keywords: slack, unit, spread, better) as a
+    row whose verdict starts with one of ANSWERS, followed by where the value fell. missing: the facts of the
+    claim's setting this machine lacks (`missing(...)`); any makes the row 'not comparable here', naming them."""
+    if "applicable" in placement or "reason" in placement:
+        raise TypeError("judge takes the setting's missing facts (missing=...), not a typed applicable=")
+    placed = verdict(value, low, high, applicable=not missing, reason=_lacks(missing), **placement)
     if placed == "not measured here":
         placed = "not comparable here: not measured on this machine"
     said = answer(placed)
@@ -136,11 +204,14 @@ def judge(slug: str, advice: str, setting: str, measured: str, value: float | No
     return Judged(slug, advice, setting, measured, text, value, (low, high), placement.get("spread"))
 
 
-def judge_finding(slug: str, advice: str, setting: str, measured: str, holds: bool, why: str, *,
-                  applicable: bool = True, reason: str = "") -> Judged:
-    """Advice whose test is a finding, not a figure: `holds` as computed from what was run, and why."""
-    if not applicable:
-        return Judged(slug, advice, setting, measured, f"not comparable here: {reason}")
+def judge_finding(slug: str, advice: str, setting: str, measured: str, holds: bool | None, why: str, *,
+                  missing: list[str] | tuple = ()) -> Judged:
+    """Advice whose test is a finding, not a figure: `holds` as computed from what was run, and why. missing: as
+    for `judge` (holds may then be None: nothing was run)."""
+    if missing:
+        return Judged(slug, advice, setting, measured, f"not comparable here: {_lacks(missing)}")
+    if holds is None:
+        raise ValueError("a finding with nothing missing needs holds: True or False")
     return Judged(slug, advice, setting, measured, f"{'holds' if holds else 'does not hold'}: {why}")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from helpers.plots import new_figure
 
-COLOURS = {"holds": "tab:green", "does not hold": "tab:red", "inconclusive": "tab:orange",
+COLOURS = {"holds": "tab:green", "exceeds the claim": "tab:blue", "does not hold": "tab:red", "inconclusive": "tab:orange",
            "not comparable here": "tab:gray"}
 
 
