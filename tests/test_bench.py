@@ -12,14 +12,21 @@ from helpers.paths import NOTEBOOKS, SCRIPTS
 
 
 def _sweep():
-    """Notebook 01b's worker `sweep`, read from its cell: the worker these helpers time with and launch."""
+    """Notebook 01b's worker `sweep`, read from its cell, with its own `time_collective` and the plumbing both are
+    handed bound in: sweep(sizes, warmup, repeats, measure_ceilings=None, ...)."""
+    import functools
     import json
 
     cells = json.loads((NOTEBOOKS / "01b_backends_and_bandwidth.ipynb").read_text())["cells"]
-    source = "".join(next(c for c in cells if c.get("id") == "sweep-worker")["source"])
     namespace = {"bench": bench}
-    exec(compile(source, "01b_backends_and_bandwidth.ipynb:sweep-worker", "exec"), namespace)
-    return namespace["sweep"]
+    for cell_id in ("time-collective", "sweep-worker"):
+        source = "".join(next(c for c in cells if c.get("id") == cell_id)["source"])
+        exec(compile(source, f"01b_backends_and_bandwidth.ipynb:{cell_id}", "exec"), namespace)
+    return functools.partial(_bound_sweep, namespace["sweep"], namespace["time_collective"])
+
+
+def _bound_sweep(sweep, time_collective, sizes, warmup, repeats, *args, **kwargs):
+    return sweep(sizes, warmup, repeats, time_collective, bench.SWEEP_PLUMBING, *args, **kwargs)
 
 
 @pytest.mark.parametrize("name, n, factor", [
@@ -136,7 +143,7 @@ def test_time_collective_works_without_all_gather_single():
 
 
 def test_the_sweep_measures_every_collective_and_the_ceilings():
-    results = helpers.launch(_sweep(), [1 << 10, 1 << 14], 1, 2, bench.time_collective, bench.measure_ceilings,
+    results = helpers.launch(_sweep(), [1 << 10, 1 << 14], 1, 2, bench.measure_ceilings,
                              world_size=2, timeout=180, quiet=True)
     assert results[0]["records"] == results[1]["records"] and results[1]["ceilings"] == []
     assert [r["collective"] for r in results[0]["records"]] == [c for c in bench.COLLECTIVES for _ in range(2)]
@@ -206,7 +213,7 @@ def test_reading_helpers_carry_the_spread_of_the_repeats():
 
 
 def _one_gpu_runs():
-    """Made-up results of `one_gpu_sweeps` as NCCL on one H100-like GPU would give them: in-place calls take 20 us
+    """Made-up results of notebook 01b's one-GPU runs as NCCL on one H100-like GPU would give them: in-place calls take 20 us
     at any size (NCCL does nothing), out-of-place ones copy S at 800 GB/s, the device copies at 1000 GB/s."""
     t = (1 << 30) / 1e12
     copy = {"name": "cuda memory copy", "kind": "bandwidth", "size_bytes": 1 << 30, "rate": 1e12, "median_s": t,
@@ -256,14 +263,14 @@ def test_one_gpu_report_says_what_one_gpu_can_and_cannot_show():
 
 def test_one_gpu_report_reads_real_sweep_records():
     """The one-GPU cell's reading, fed with real `sweep` results of the same shape (gloo on CPU here; on a GPU
-    machine `one_gpu_sweeps` runs NCCL at world size 1 on cuda:0, whose ceilings add the device copy)."""
+    machine notebook 01b runs NCCL at world size 1 on cuda:0, whose ceilings add the device copy)."""
     from helpers.plots import collectives as plots
 
     sweep = _sweep()
-    alone = helpers.launch(sweep, [1 << 10, 1 << 16], 1, 3, bench.time_collective, bench.measure_ceilings,
+    alone = helpers.launch(sweep, [1 << 10, 1 << 16], 1, 3, bench.measure_ceilings,
                            world_size=1, timeout=180, quiet=True)[0]
     alone["ceilings"] = bench.best_ceilings(*alone["ceilings"])
-    shared = helpers.launch(sweep, [1 << 10], 1, 3, bench.time_collective, collectives=("all_reduce",),
+    shared = helpers.launch(sweep, [1 << 10], 1, 3, collectives=("all_reduce",),
                             world_size=2, timeout=180, quiet=True)[0]
     alone["ceilings"]["device_copy"] = alone["ceilings"]["memcpy"]  # what a CPU has in place of HBM
     rows = bench.one_rank_rows(alone["records"], alone["ceilings"]["device_copy"])
@@ -275,9 +282,9 @@ def test_one_gpu_report_reads_real_sweep_records():
     plots.one_rank(alone["records"], alone["ceilings"]["device_copy"])
 
 
-def test_busbw_by_ranks_runs_the_sweep_at_each_world_size():
-    records = bench.busbw_by_ranks(_sweep(), [1 << 12], (1, 2), collectives=("all_reduce", "all_gather"), warmup=1,
-                                   repeats=2)
+def test_the_sweep_runs_at_each_world_size():
+    records = [r for n in (1, 2) for r in helpers.launch(_sweep(), [1 << 12], 1, 2, collectives=(
+        "all_reduce", "all_gather"), world_size=n, timeout=120, quiet=True)[0]["records"]]
     assert [(r["world_size"], r["collective"]) for r in records] == [
         (1, "all_reduce"), (1, "all_gather"), (2, "all_reduce"), (2, "all_gather")]
     assert all(r["checked"] and r["factor"] == bench.busbw_factor(r["collective"], r["world_size"]) for r in records)
@@ -296,7 +303,7 @@ def test_the_scripts_detail_cost_compares_checked_and_unchecked_groups():
 
 
 def test_the_sweep_can_skip_the_ceilings():
-    results = helpers.launch(_sweep(), [1 << 12], 1, 2, bench.time_collective, collectives=("reduce_scatter",),
+    results = helpers.launch(_sweep(), [1 << 12], 1, 2, collectives=("reduce_scatter",),
                              world_size=2, timeout=120, quiet=True)
     assert [r["ceilings"] for r in results] == [[], []]
     assert [(r["collective"], r["size_bytes"], r["checked"]) for r in results[0]["records"]] == \
@@ -304,8 +311,12 @@ def test_the_sweep_can_skip_the_ceilings():
 
 
 @pytest.mark.skipif(helpers.devices.gpu_count() != 1, reason="the one-GPU runs need exactly one GPU")
-def test_one_gpu_sweeps_time_nccl_alone_and_gloo_sharing_the_gpu():
-    alone, shared = bench.one_gpu_sweeps(_sweep(), [1 << 10, 1 << 16], 1, 2, gloo_up_to=1 << 10)
+def test_the_one_gpu_runs_time_nccl_alone_and_gloo_sharing_the_gpu():
+    alone = helpers.launch(_sweep(), [1 << 10, 1 << 16], 1, 2, bench.measure_ceilings, backend="nccl", world_size=1,
+                           timeout=180, quiet=True)[0]
+    alone["ceilings"] = bench.best_ceilings(*alone["ceilings"])
+    shared = helpers.launch(_sweep(), [1 << 10], 1, 2, collectives=("all_reduce",), device="cuda:0",
+                            group_backend="gloo", backend="gloo", world_size=2, timeout=180, quiet=True)[0]
     assert {(r["backend"], r["device"], r["world_size"]) for r in alone["records"]} == {("nccl", "cuda", 1)}
     assert [(r["backend"], r["device"], r["size_bytes"]) for r in shared["records"]] == [("gloo", "cuda", 1 << 10)]
     assert "device_copy" in alone["ceilings"] and shared["ceilings"] == []

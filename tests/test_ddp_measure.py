@@ -197,7 +197,7 @@ def test_cpu_ranks_hide_the_gpus_only_when_ranks_outnumber_them():
 
 
 def test_cpu_ranks_env_makes_a_one_rank_launch_on_a_gpu_machine_a_cpu_rank(monkeypatch):
-    """weak_scaling's world-size-1 launch on a one-GPU machine hides the GPU from its rank (every n on CPU ranks),
+    """Notebook 02b's weak-scaling launch at world size 1 on a one-GPU machine hides the GPU from its rank (every n on CPU ranks),
     but the launcher picks the backend from the kernel's view: NCCL for one rank. The helpers' rank_device() in
     step_times then chose cuda:0, which the rank cannot see (set_device fails). The env must set the backend too."""
     from helpers.launcher.api import plan
@@ -267,15 +267,27 @@ def test_loader_throughput_reports_every_setting_and_repeat():
     assert set(rates) == set(settings) and all(len(r) == 2 and min(r) > 0 for r in rates.values())
 
 
-def test_weak_scaling_rows_and_the_plain_step_at_world_size_one(capsys):
-    # gpus=1: the one-GPU machine's path (every n on CPU ranks, the GPU hidden), which runs on any machine
-    script = _train_ddp()
-    rows = measure_ddp.weak_scaling(script.run_distributed, script.step_times, functools.partial(DigitsMLP, 32, 2), 8,
-                                    [1, 2], 2, gpus=1, timeout=120)
-    assert "CPU ranks with gloo, one core each (this machine's 1 GPU(s)" in capsys.readouterr().out
+def test_scaling_rows_and_the_plain_step_at_world_size_one():
+    """The plumbing of notebook 02b's weak scaling (its cell launches): the variants, one row per world size, the
+    efficiency; a replica that drifted is refused."""
+    script, model_of = _train_ddp(), functools.partial(DigitsMLP, 32, 2)
+    modes, rows = measure_ddp.scaling_variants(model_of), []
+    assert modes["allreduce"]["bucket_bytes"] == bucket_plan(model_of())
+    for n in (1, 2):
+        variants = {**modes, "plain": {"ddp": None, "params": False}} if n == 1 else modes
+        ranks = helpers.launch(script.run_distributed, script.step_times, model_of, 8, variants, 2, world_size=n,
+                               timeout=120, env=devices.cpu_ranks_env(2, 1), threads=1)
+        rows.append(measure_ddp.scaling_row(n, 8, ranks))
+    measure_ddp.add_efficiency(rows)
     assert [r["world_size"] for r in rows] == [1, 2] and rows[0]["efficiency"] == 1.0
+    assert rows[1]["efficiency"] == pytest.approx(rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"]))
     assert set(rows[0]["times"]) == {"step", "no_sync", "allreduce", "plain"} and "plain" not in rows[1]["times"]
     assert all(r["samples_per_s"] > 0 and len(r["rates"]) == 2 for r in rows)
+    drifted = [ranks[0], {**ranks[1], "step": {**ranks[1]["step"], "params": ranks[1]["step"]["params"] + 1}}]
+    with pytest.raises(AssertionError, match="drifted"):
+        measure_ddp.scaling_row(2, 8, drifted)
+    with pytest.raises(ValueError):
+        measure_ddp.add_efficiency(rows[1:])
 
 
 def test_expected_payload_counts_powersgd_warm_up_steps_as_plain_fp32():

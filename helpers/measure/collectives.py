@@ -5,9 +5,9 @@ Why a module: every notebook that says "communication costs X" needs the same di
 easy to make (timing the first call, which includes connection set-up; timing one rank, which may have arrived
 late; forgetting `cuda.synchronize`, which times the kernel launch; comparing a reduce-scatter's bandwidth with
 an all-reduce's without the bus factor). `time_collective` and the ceilings are called inside a worker after
-`dist.init_process_group()`: notebook 01b's worker `sweep` (defined in its cells: the process group's life and
-what is timed) receives them as arguments. From the kernel the pure arithmetic, reading and formatting are called,
-and `busbw_by_ranks` / `one_gpu_sweeps` launch the worker they are given at several world sizes.
+`dist.init_process_group()`: notebook 10's worker receives them as arguments. Notebook 01b times collectives in its
+own cells (the discipline is its lesson) and is handed only the plumbing around the timed call, `SWEEP_PLUMBING`.
+From the kernel the pure arithmetic, reading and formatting are called; no function here launches workers.
 
 Definitions (nccl-tests, doc/PERFORMANCE.md). S is the size of the *full* array in bytes: the all-reduce buffer,
 the all-gather output, the reduce-scatter input, the all-to-all buffer of one rank, the broadcast buffer.
@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 import zlib
+from types import SimpleNamespace
 
 from helpers.devices import synchronize, usable_cores
 from helpers.measure.timing import summarize, time_steps
@@ -250,11 +251,9 @@ def time_collective(name: str, sizes: list[int], *, warmup: int = 5, repeats: in
     dtype = torch.float32 if dtype is None else dtype
     n = dist.get_world_size(group)
     backend = str(dist.get_backend(group))
-    cores = usable_cores()
     records = []
     for size in sizes:
         inp, out = _buffers(key, size, n, device, dtype)
-        full = (out if key == "all_gather" else inp).numel() * inp.element_size()
         op = _operation(key, inp, out, group)
         for _ in range(warmup):
             op()
@@ -269,56 +268,32 @@ def time_collective(name: str, sizes: list[int], *, warmup: int = 5, repeats: in
         times, timing = _per_call_times(starts, ends, group, device)
         if check:
             _check_result(key, inp, out, group, device)
-        stats = summarize(times)
-        factor = busbw_factor(key, n)
-        records.append({
-            "collective": key, "backend": backend, "device": device.type, "world_size": n, "size_bytes": full,
-            "dtype": str(dtype).replace("torch.", ""), "factor": factor, "times_s": times, **stats,
-            "algbw": algbw(full, stats["median_s"]), "busbw": algbw(full, stats["median_s"]) * factor,
-            # the spread of busbw follows the time quartiles (fast time = high bandwidth)
-            "busbw_q1": algbw(full, stats["q3_s"]) * factor, "busbw_q3": algbw(full, stats["q1_s"]) * factor,
-            "cores": cores, "oversubscribed": n > cores, "checked": check, "timing": timing,
-        })
+        records.append(collective_record(key, backend, device, n, inp, out, times, timing, checked=check))
         del inp, out, op
     return records
 
 
-# ---------------------------------------------------------------------------------------- launched harnesses
+def collective_record(name: str, backend: str, device, n: int, inp, out, times: list[float], timing: str,
+                      checked: bool = True) -> dict:
+    """One size's record, from the per-call times every rank agreed on: the repeats, median and spread, algbw and
+    busbw (nccl-tests' definitions, S the full array), the cores, and how the times were taken."""
+    key = canonical(name)
+    full = (out if key == "all_gather" else inp).numel() * inp.element_size()
+    stats, factor, cores = summarize(times), busbw_factor(key, n), usable_cores()
+    return {
+        "collective": key, "backend": backend, "device": device.type, "world_size": n, "size_bytes": full,
+        "dtype": str(inp.dtype).replace("torch.", ""), "factor": factor, "times_s": times, **stats,
+        "algbw": algbw(full, stats["median_s"]), "busbw": algbw(full, stats["median_s"]) * factor,
+        # the spread of busbw follows the time quartiles (fast time = high bandwidth)
+        "busbw_q1": algbw(full, stats["q3_s"]) * factor, "busbw_q3": algbw(full, stats["q1_s"]) * factor,
+        "cores": cores, "oversubscribed": n > cores, "checked": checked, "timing": timing,
+    }
 
-def busbw_by_ranks(sweep, sizes: list[int], world_sizes, collectives=("all_reduce", "all_gather"), warmup: int = 5,
-                   repeats: int = 20) -> list[dict]:
-    """Notebook 01b's worker `sweep` at each world size in turn (no ceilings), launched from the kernel: every record
-    of every run.
 
-    Why: busbw is defined so that a bandwidth-bound collective's figure does not change with the number of ranks
-    (the factor takes out what n changes in the traffic); on NCCL ranks, one per GPU, this shows whether the links
-    bear that out. Each run's backend is the launcher's choice for its size (NCCL where every rank has a GPU).
-    """
-    from helpers.launcher import launch
-
-    return [r for n in world_sizes for r in launch(sweep, sizes, warmup, repeats, time_collective,
-                                                   collectives=tuple(collectives), world_size=n,
-                                                   timeout=600)[0]["records"]]
-
-
-def one_gpu_sweeps(sweep, sizes: list[int], warmup: int = 5, repeats: int = 20, gloo_up_to: int = 256 << 20) -> tuple:
-    """What one GPU can show, launched from the kernel: notebook 01b's `sweep` at world size 1 under NCCL (the fixed
-    cost of a call, NCCL's own copy against the device's copy rate) with the ceilings, and the all-reduce of CUDA tensors
-    between two gloo ranks sharing the GPU (staged through host memory; sizes up to `gloo_up_to`; no ceilings of its
-    own: the first run's loopback TCP is its ceiling).
-
-    Why: NCCL refuses two ranks on one GPU, so on a one-GPU machine the multi-rank sweep runs gloo on CPU and these
-    two runs measure the GPU alone. Returns (alone, shared), rank 0's results; `one_gpu_report` reads them.
-    """
-    from helpers.launcher import launch
-
-    alone = launch(sweep, sizes, warmup, repeats, time_collective, measure_ceilings, backend="nccl", world_size=1,
-                   timeout=600)[0]
-    alone["ceilings"] = best_ceilings(*alone["ceilings"])
-    shared = launch(sweep, [s for s in sizes if s <= gloo_up_to], warmup, repeats, time_collective,
-                    collectives=("all_reduce",), device="cuda:0", group_backend="gloo", backend="gloo", world_size=2,
-                    timeout=600)[0]
-    return alone, shared
+# What notebook 01b's own `time_collective` (a cell: the nccl-tests timing discipline is its lesson) is handed: the
+# plumbing around the timed call. Each is a plain function of this module, called inside the worker.
+SWEEP_PLUMBING = SimpleNamespace(buffers=_buffers, operation=_operation, barrier=_barrier, clock=host_clock,
+                                 agreed_times=_per_call_times, check=_check_result, record=collective_record)
 
 
 def transport_facts() -> dict:

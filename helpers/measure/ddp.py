@@ -169,7 +169,7 @@ NOTEBOOK_SIZES = {"smoke": (256, 2, 512, 3, 4, 5), "cpu": (256, 2, 768, 3, 5, 8)
 # and without DDP. At "gpu" size 8192 x 4 holds over 200 M parameters and a step is 6 x parameters x batch, about
 # 5 TFLOP: large enough on an H100 that compute, not the launching of small kernels, sets the step's time, as in a
 # real job (the scaling sweep's model at batch 32 would not be). A CPU measures DDP's overhead on the scaling
-# sweep's model instead (weak_scaling's world-size-1 launch).
+# sweep's model instead (the world-size-1 launch of notebook 02b's weak scaling).
 GPU_OVERHEAD_MODEL = {"smoke": (2048, 4, 512), "cpu": (2048, 4, 512), "gpu": (8192, 4, 4096)}
 
 
@@ -220,40 +220,35 @@ def percent_change(new_times: list[float], old_times: list[float]) -> tuple[floa
     return 100 * (statistics.median(new_times) / statistics.median(old_times) - 1), (100 * (low - 1), 100 * (high - 1))
 
 
-def weak_scaling(run_distributed, step_times, model_factory, per_rank: int, sizes: list[int], repeats: int, gpus: int,
-                 timeout: float) -> list:
-    """Launches `run_distributed(step_times, ...)` (both from scripts/train_ddp.py) at each world size n: the medians
-    of the DDP step, the same step under no_sync (compute only) and the all-reduce of its buckets alone; samples/s; and the share of the all-reduce time hidden behind backward,
-    1 - (step - compute) / all-reduce (nan at n = 1). Where the largest n exceeds the GPUs every n runs on CPU
-    ranks with the GPUs hidden and one thread each (a core is the device: at n = 1 the launcher would give the
-    rank every core), so that T_n / (n T_1) compares one kind of device. Rows for
-    helpers.plots.training.scaling; "times" holds each variant's repeats, at n = 1 also the plain module's step
-    without DDP ("plain"), timed side by side: DDP's own overhead. Every rank's parameters agree (checked)."""
+def scaling_variants(model_factory) -> dict:
+    """The variants notebook 02b's weak-scaling launches time with scripts/train_ddp.py's `step_times` at each world
+    size: the DDP step, the same step under no_sync (compute only) and the all-reduce of its buckets alone (the
+    buckets DDP would make, `bucket_plan`). Parameters come back for the replicas' check only (the DDP step's)."""
+    modes = {m: {"mode": m, "count_buckets": False, "params": m == "step"} for m in ("step", "no_sync", "allreduce")}
+    modes["allreduce"]["bucket_bytes"] = bucket_plan(model_factory())
+    return modes
+
+
+def scaling_row(n: int, per_rank: int, ranks: list[dict]) -> dict:
+    """One world size's row from `step_times`' results on every rank: the medians of each variant, samples/s, and the
+    share of the all-reduce time hidden behind backward, 1 - (step - compute) / all-reduce (nan at n = 1); "times"
+    holds each variant's repeats (at n = 1 also "plain", the module without DDP). Raises AssertionError where the
+    replicas' parameters disagree. Rows for helpers.plots.training.scaling, once `add_efficiency` has run."""
     import statistics
 
-    from helpers.launcher import launch
+    if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
+        raise AssertionError(f"world size {n}: the replicas drifted apart")
+    t = {m: statistics.median(ranks[0][m]["times"]) for m in ("step", "no_sync", "allreduce")}
+    return {"world_size": n, "samples_per_s": n * per_rank / t["step"], **t,
+            "times": {m: r["times"] for m, r in ranks[0].items()},
+            "rates": [n * per_rank / s for s in ranks[0]["step"]["times"]],
+            "overlap": 1 - max(0.0, t["step"] - t["no_sync"]) / t["allreduce"] if n > 1 else float("nan")}
 
-    rows = []
-    # parameters come back for the replicas' check only: the other variants' copies would be sent for nothing
-    modes = {m: {"mode": m, "count_buckets": False, "params": m == "step"} for m in ("step", "no_sync", "allreduce")}
-    modes["allreduce"]["bucket_bytes"] = bucket_plan(model_factory())  # the buckets DDP all-reduces, alone
-    on_cpu = gpus < max(sizes)
-    print(f"weak scaling, world sizes {sizes}: " + ("a GPU per rank, NCCL" if not on_cpu else "CPU ranks with gloo, "
-          "one core each" + (f" (this machine's {gpus} GPU(s) cannot give each of {max(sizes)} ranks its own)"
-                             if gpus else "")))
-    for n in sizes:
-        variants = {**modes, "plain": {"ddp": None, "params": False}} if n == 1 else modes
-        ranks = launch(run_distributed, step_times, model_factory, per_rank, variants, repeats, world_size=n,
-                       timeout=timeout,
-                       env=cpu_ranks_env(max(sizes), gpus),  # one device kind for every n: T_n / (n T_1) compares
-                       threads=1 if on_cpu else None)  # CPU ranks: one core each at every n, n = 1 too
-        if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
-            raise AssertionError(f"world size {n}: the replicas drifted apart")
-        t = {m: statistics.median(ranks[0][m]["times"]) for m in modes}
-        rows.append({"world_size": n, "samples_per_s": n * per_rank / t["step"], **t,
-                     "times": {m: r["times"] for m, r in ranks[0].items()},
-                     "rates": [n * per_rank / s for s in ranks[0]["step"]["times"]],
-                     "overlap": 1 - max(0.0, t["step"] - t["no_sync"]) / t["allreduce"] if n > 1 else float("nan")})
+
+def add_efficiency(rows: list[dict]) -> list[dict]:
+    """T_n / (n T_1) on every row, T_1 the first row's samples/s (the first row must be world size 1)."""
+    if rows[0]["world_size"] != 1:
+        raise ValueError("the first row must be world size 1")
     for r in rows:
         r["efficiency"] = r["samples_per_s"] / (r["world_size"] * rows[0]["samples_per_s"])
     return rows
