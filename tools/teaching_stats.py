@@ -11,6 +11,12 @@ The same module holds the checks the tests run, in one copy:
 - `launched_functions(cells)`: every function a notebook launches (`launch`, `Workers(...).run`, `w.run`,
   `pools[n].run`, `functools.partial` of one, keyword arguments, a runner's body such as
   `launch(run_distributed, body, ...)`, and the script `torchrun` starts), each with where it is defined.
+- `helper_arguments(cells)`: every argument of those launches, besides the launched function, that comes from
+  `helpers` (what a worker is handed from the measuring machinery), and `unnamed_plumbing(notebook)`, the ones
+  the notebook's markdown does not name as plumbing: a worker's central step must be in the cells, and what it is
+  handed from helpers must be plumbing that the reader is told is plumbing.
+- `unfailable_asserts(cells)`: asserts that cannot fail: an expression compared with itself, or fields of one
+  record that bound each other by construction (its low, median and high; a part against the min of its wholes).
 - `forbidden_text(text)`: wording the project must not carry (references to source material the reader does not
   have, issue numbers, CJK text).
 
@@ -33,6 +39,7 @@ TARGETS = {"md_words": 1500, "longest_cell": 60}
 
 LAUNCHERS = {"launch", "run"}                 # helpers.launch(fn, ...), Workers(...).run(fn, ...), pool.run(fn)
 FUNCTION_KEYWORDS = ("fn", "function", "body", "target", "worker")
+LAUNCH_OPTIONS = ("env", "world_size", "timeout", "threads", "backend", "start_method", "quiet")  # the launcher's
 TORCHRUN_CALLS = {"run_torchrun", "start_agent"}
 
 # Written so that this file does not match its own patterns.
@@ -225,6 +232,91 @@ def launched_functions(cells: list[str], written: set[str] = frozenset(), script
     return found
 
 
+@dataclass
+class HelperArgument:
+    function: str   # the launched function, as written
+    argument: str   # the argument from helpers, as written
+
+
+def helper_arguments(cells: list[str], scripts_dir: Path = SCRIPTS) -> list[HelperArgument]:
+    """Each argument of a launch (besides the launched function, and a runner's body) that comes from `helpers`."""
+    tree = parse(cells)
+    b, scripts, runners = bindings(tree), script_modules(scripts_dir), runner_names(scripts_dir)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or _name(node.func) not in LAUNCHERS or not node.args:
+            continue
+        if isinstance(node.func, ast.Name) and node.func.id in b.defined:
+            continue
+        fn = unwrap(node.args[0])
+        if not _is_function_reference(fn):
+            continue
+        skip = 2 if _name(fn) in runners and len(node.args) > 1 else 1
+        launched = ast.unparse(unwrap(node.args[skip - 1]))
+        handed = list(node.args[skip:]) + [k.value for k in node.keywords
+                                           if k.arg not in FUNCTION_KEYWORDS + LAUNCH_OPTIONS]
+        if isinstance(node.args[0], ast.Call):  # functools.partial(fn, arguments...)
+            handed += list(node.args[0].args[1:]) + [k.value for k in node.args[0].keywords]
+        for arg in handed:
+            if _is_function_reference(arg) and origin(arg, b, scripts) == "helpers":
+                found.append(HelperArgument(launched, ast.unparse(arg)))
+    return found
+
+
+def named_as_plumbing(notebook: dict) -> str:
+    """The markdown of the cells that call something plumbing: where a notebook names what it is handed."""
+    return "\n".join("".join(c["source"]) for c in notebook["cells"]
+                     if c["cell_type"] == "markdown" and re.search(r"\bplumbing\b", "".join(c["source"]), re.I))
+
+
+def unnamed_plumbing(notebook: dict, scripts_dir: Path = SCRIPTS) -> list[str]:
+    """'function: argument' for each helper argument whose name no markdown cell that speaks of plumbing mentions."""
+    text = named_as_plumbing(notebook)
+    return sorted({f"{a.function}: {a.argument}" for a in helper_arguments(code_cells(notebook), scripts_dir)
+                   if not re.search(rf"\b{re.escape(a.argument.split('.')[-1])}\b", text)})
+
+
+# ------------------------------------------------------------------------------------------ asserts
+
+STATISTIC_KEYS = {"low", "median", "high", "min", "max", "q1", "q3", "lo", "hi"}
+
+
+def _record_field(expr: ast.expr) -> tuple[str, str] | None:
+    """(the record, the key) for `record["key"]`, else None."""
+    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and isinstance(expr.slice.value, str):
+        return ast.unparse(expr.value), expr.slice.value
+    return None
+
+
+def _unfailable(test: ast.expr) -> str | None:
+    for node in ast.walk(test):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for a, b in zip(operands, operands[1:]):
+            if ast.dump(a) == ast.dump(b):
+                return f"compares {ast.unparse(a)} with itself"
+        fields = [_record_field(o) for o in operands]
+        if len(operands) >= 3 and all(fields) and len({r for r, _ in fields}) == 1 and \
+                {k for _, k in fields} <= STATISTIC_KEYS:
+            return f"orders {fields[0][0]}'s own statistics, which its maker ordered"
+        for a, b in zip(operands, operands[1:]):
+            for part, whole in ((a, b), (b, a)):
+                if isinstance(whole, ast.Call) and _name(whole.func) in ("min", "max") and _record_field(part) and \
+                        all(_record_field(x) and _record_field(x)[0] == _record_field(part)[0] for x in whole.args):
+                    return f"bounds {ast.unparse(part)} by {ast.unparse(whole)}, fields of the record that made it"
+    return None
+
+
+def unfailable_asserts(cells: list[str]) -> list[str]:
+    """'<the assert>: <why it cannot fail>' for each assert in the cells that holds by construction."""
+    found = []
+    for node in ast.walk(parse(cells)):
+        if isinstance(node, ast.Assert) and (why := _unfailable(node.test)):
+            found.append(f"{ast.unparse(node.test)[:100]}: {why}")
+    return found
+
+
 def _mentions_torchrun(call: ast.Call) -> bool:
     return bool(call.args) and "torchrun" in ast.unparse(call.args[0])
 
@@ -293,6 +385,7 @@ def notebook_stats(path: Path) -> dict:
             "helper_launches": sorted({launch.function for launch in launches if launch.origin == "helpers"}),
             "other_launches": sorted({f"{launch.function} ({launch.origin})" for launch in launch_problems(launches)
                                       if launch.origin != "helpers"}),
+            "unnamed_plumbing": unnamed_plumbing(notebook), "unfailable_asserts": unfailable_asserts(cells),
             "plain_share": round(1 - len(helper_lines) / max(1, len(lines)), 3), "code_lines": len(lines),
             "md_words": len(markdown.split()),
             "longest_cell": max((len([line for line in c.splitlines() if line.strip()]) for c in cells), default=0)}
@@ -305,6 +398,10 @@ def missed_targets(row: dict) -> list[str]:
     missed = []
     if row["helper_launches"]:
         missed.append(f"launches {len(row['helper_launches'])} function(s) from helpers")
+    if row.get("unnamed_plumbing"):
+        missed.append(f"hands {len(row['unnamed_plumbing'])} helper(s) to workers without naming them as plumbing")
+    if row.get("unfailable_asserts"):
+        missed.append(f"{len(row['unfailable_asserts'])} assert(s) that cannot fail")
     if row["md_words"] > TARGETS["md_words"]:
         missed.append(f"{row['md_words']} words of markdown (target {TARGETS['md_words']})")
     if row["longest_cell"] > TARGETS["longest_cell"]:
