@@ -22,14 +22,15 @@ from helpers.paths import SCRIPTS
 
 
 def _train_ddp():
-    """scripts/train_ddp.py as a module: the measuring workers (step_times, traced_step, loader_throughput) live
-    there, beside the recipe they time, so that a reader's project and the appendix can launch them too."""
-    import importlib.util
+    """scripts/ddp_bench.py as a module (it imports train_ddp.py beside it), with the recipe's run_distributed: the
+    measuring workers (step_times, traced_step, loader_throughput) live there, beside the recipe they time, so
+    that a reader's project and the appendix can launch them too."""
+    import importlib
+    import sys
 
-    spec = importlib.util.spec_from_file_location("train_ddp", SCRIPTS / "train_ddp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module("ddp_bench")
 
 
 @pytest.mark.parametrize("seed", range(6))

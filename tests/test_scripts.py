@@ -25,6 +25,8 @@ from helpers.paths import REPO_ROOT, SCRIPTS
 SMOKE_ARGS: dict[str, list[str]] = {
     "cluster_ddp.py": ["--steps", "6", "--batch", "16", "--hidden", "8", "--save-every", "3"],
     "collectives.py": ["--elements-per-rank", "1000"],
+    "ddp_bench.py": ["--caps", "1", "25", "--hidden", "64", "--depth", "2", "--batch-size", "8", "--repeats", "3",
+                     "--data", str(REPO_ROOT / "data" / "digits.npz")],
     "hello_distributed.py": [],
     "rpc_parameter_server.py": ["--steps", "10", "--hidden", "32", "--depth", "1", "--samples", "500"],
     "train_ddp.py": ["--epochs", "1", "--hidden", "64", "--depth", "2", "--checkpoint", "digits_mlp.pt",
