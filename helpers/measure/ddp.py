@@ -1,5 +1,5 @@
 """Watching DDP from the inside: how many buckets it builds, what it hands to the wire (the timing workers are
-scripts/train_ddp.py's `step_times` and `traced_step`).
+scripts/ddp_bench.py's `step_times` and `traced_step`).
 
 Why a module of its own: notebooks 02 and 02b must show the DDP lines themselves (the wrapper, `no_sync`, the comm hook,
 `Join`), not the book-keeping around them. Everything here observes or predicts; nothing changes what DDP
@@ -221,7 +221,7 @@ def percent_change(new_times: list[float], old_times: list[float]) -> tuple[floa
 
 
 def scaling_variants(model_factory) -> dict:
-    """The variants notebook 02b's weak-scaling launches time with scripts/train_ddp.py's `step_times` at each world
+    """The variants notebook 02b's weak-scaling launches time with scripts/ddp_bench.py's `step_times` at each world
     size: the DDP step, the same step under no_sync (compute only) and the all-reduce of its buckets alone (the
     buckets DDP would make, `bucket_plan`). Parameters come back for the replicas' check only (the DDP step's)."""
     modes = {m: {"mode": m, "count_buckets": False, "params": m == "step"} for m in ("step", "no_sync", "allreduce")}
