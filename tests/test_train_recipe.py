@@ -1,6 +1,7 @@
 """scripts/train/, the training recipe, run as a project would: copied whole into an empty directory where
-`helpers` cannot be imported, its token file made by its own `prepare` step, every layout a torchrun command line
-on CPU ranks (gloo; the GPUs hidden, so the runs are the same on any machine).
+`helpers` cannot be imported, its tokenizer trained and its token file made by its own `prepare` step (a byte-level
+BPE of TOKENIZER_VOCAB tokens), every layout a torchrun command line on CPU ranks (gloo; the GPUs hidden, so the
+runs are the same on any machine).
 
 What is proved, each from runs made once and shared between the asserts (a module-scoped fixture runs them all,
 a few at a time):
@@ -13,7 +14,11 @@ a few at a time):
   exits with status 0);
 - a checkpoint written by FSDP2 on 2 ranks, loaded by a 2-stage pipeline, trains on to the same losses and the
   same evaluation loss (within LOSS_RTOL): weights, optimizer state, schedule and data position all carried over;
-- a bad flag or an impossible layout is one line on stderr and exit status 2.
+- the checkpoint exported to Hugging Face's format opens with `LlamaForCausalLM.from_pretrained` and gives the
+  recipe's logits; `--init-from` that folder at another layout (tensor parallel) starts from exactly those weights;
+  generate.py writes text from the checkpoint and from the folder alike, with and without its key/value cache;
+- a bad flag, an impossible layout, a token file larger than the model's vocabulary or a Hugging Face folder that
+  is not a Llama is one line on stderr and exit status 2.
 The 4-process runs are marked `four_ranks` (deselect with -m 'not four_ranks').
 """
 from __future__ import annotations
@@ -40,11 +45,14 @@ RECIPE = SCRIPTS / "train"
 # by 4 Adam steps. Measured here: at most 1e-7 relative. A layout that is wrong (a missed reduction, a rank on the
 # wrong windows, a misplaced shard, a resume off by one batch) moves the loss in the second or third digit.
 LOSS_RTOL = 1e-5
-TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16", "--batch", "8", "--steps", "4",
+TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "16", "--batch", "8",
+        "--steps", "4",
         "--log-every", "2", "--eval-windows", "32", "--dtype", "fp32", "--no-compile"]
 PARALLEL = 3          # torchrun jobs at once: their start (importing torch) waits on I/O as much as on the cores
 RUN_TIMEOUT_S = 400
-ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata"}
+ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata", "safetensors", "tokenizers"}
+TOKENIZER_VOCAB = 512
+PROMPT = "The with statement"
 
 
 @dataclass
@@ -90,7 +98,7 @@ def _run_all(workspace: Path, env: dict, jobs: list[Job]) -> dict[str, Result]:
                 job.before(workspace)
             metrics = workspace / f"{job.name}.jsonl"
             if job.nproc is None:
-                command = [sys.executable, "train.py", *job.args]
+                command = [sys.executable, *(job.args if job.args[0].endswith(".py") else ["train.py", *job.args])]
             else:
                 command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={job.nproc}", "train.py", "--data", "tokens.bin", *TINY,
@@ -124,9 +132,13 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
 
     (root / "tp.json").write_text(json.dumps({"tp": 2, "ac": "selective"}))   # flags from a file
     (root / "corpus.txt").write_text("\n\n".join(topics[key] for key in sorted(topics)), encoding="utf-8")
-    prepared = subprocess.run([sys.executable, "train.py", "prepare", "--text", "corpus.txt", "--out", "tokens.bin"],
-                              cwd=root, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert prepared.returncode == 0, prepared.stderr
+    (root / "not_llama").mkdir()
+    (root / "not_llama" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    for out, tokenizer in (("tokens.bin", ["--train-tokenizer", str(TOKENIZER_VOCAB)]), ("bytes.bin", [])):
+        prepared = subprocess.run([sys.executable, "train.py", "prepare", "--text", "corpus.txt", "--out", out,
+                                   *tokenizer], cwd=root, env=env, capture_output=True, text=True,
+                                  timeout=RUN_TIMEOUT_S)
+        assert prepared.returncode == 0, prepared.stderr
     return root, env
 
 
@@ -156,8 +168,23 @@ def runs(workspace) -> dict[str, Result]:
         Job("export_fsdp", ["export", "--ckpt-dir", "ck_fsdp", "--out", "fsdp.pt"], None, after=("fsdp",)),
         Job("export_resumed", ["export", "--ckpt-dir", "ck_crash", "--out", "resumed.pt"], None,
             after=("resumed",)),
+        Job("export_hf", ["export", "--ckpt-dir", "ck_fsdp", "--format", "hf", "--out", "hf_llama"], None,
+            after=("fsdp",)),
+        Job("init_from", ["--init-from", "hf_llama", "--tp", "2", "--lr", "0", "--steps", "1"], 2, after=("export_hf",)),
+        Job("generate_ckpt", ["generate.py", "--model", "ck_fsdp", "--prompt", PROMPT, "--max-new-tokens", "12"],
+            None, after=("fsdp",)),
+        Job("generate_hf", ["generate.py", "--model", "hf_llama", "--prompt", PROMPT, "--max-new-tokens", "12"],
+            None, after=("export_hf",)),
+        *[Job(f"sample{suffix}", ["generate.py", "--model", "ck_fsdp", "--prompt", PROMPT, "--max-new-tokens", "12",
+                                  "--temperature", "0.9", "--top-k", "20", "--seed", "3", *flags], None, after=("fsdp",))
+          for suffix, flags in (("", []), ("_no_cache", ["--no-cache"]))],
         Job("bad_flag", ["--no-such-flag"], None),
         Job("bad_layout", ["--tp", "3"], None, env={"WORLD_SIZE": "4"}),
+        Job("bad_kv_heads", ["--n-heads", "4", "--n-kv-heads", "3"], None),
+        Job("bad_tp_kv_heads", ["--tp", "2", "--n-kv-heads", "1", "--data", "tokens.bin"], None,
+            env={"WORLD_SIZE": "2"}),
+        Job("bad_vocab", ["--data", "tokens.bin", "--vocab-size", "256"], None),
+        Job("bad_hf", ["--init-from", "not_llama"], None),
     ])
 
 
@@ -203,10 +230,24 @@ def test_prepare_writes_the_texts_bytes_with_a_held_out_tail(workspace):
 
     root, _ = workspace
     text = (root / "corpus.txt").read_bytes()
-    meta = json.loads((root / "tokens.bin.json").read_text())
-    tokens = np.memmap(root / "tokens.bin", dtype=np.uint8, mode="r")
+    meta = json.loads((root / "bytes.bin.json").read_text())
+    tokens = np.memmap(root / "bytes.bin", dtype=np.uint8, mode="r")
     assert bytes(tokens) == text
-    assert meta["tokens"] == len(text) and 0 < meta["eval_start"] < len(text)
+    assert meta["tokens"] == len(text) and 0 < meta["eval_start"] < len(text) and meta["vocab_size"] == 256
+
+
+def test_prepare_trains_a_bpe_tokenizer_whose_tokens_decode_to_the_text(workspace):
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    root, _ = workspace
+    meta = json.loads((root / "tokens.bin.json").read_text())
+    tokenizer = Tokenizer.from_file(str(root / meta["tokenizer"]))
+    tokens = np.memmap(root / "tokens.bin", dtype=np.uint16, mode="r")
+    assert meta["vocab_size"] == tokenizer.get_vocab_size() == TOKENIZER_VOCAB and meta["dtype"] == "uint16"
+    assert tokens[-1] == meta["eot_id"] == tokenizer.token_to_id("<|endoftext|>"), "the document ends with its token"
+    assert tokenizer.decode(tokens[:-1].tolist()) == (root / "corpus.txt").read_text(encoding="utf-8")
+    assert len(tokens) < 0.6 * len((root / "corpus.txt").read_bytes()), "BPE merges bytes: fewer tokens than bytes"
 
 
 def test_one_process_trains(runs):
@@ -271,8 +312,13 @@ def test_a_checkpoint_of_fsdp_loads_into_a_pipeline_and_trains_on_alike(runs):
     assert math.isclose(resharded.final_eval(), source.final_eval(), rel_tol=LOSS_RTOL)
 
 
-@pytest.mark.parametrize("name, message", [("bad_flag", "unrecognized arguments: --no-such-flag"),
-                                           ("bad_layout", "= 3, but the world size is 4")])
+@pytest.mark.parametrize("name, message", [
+    ("bad_flag", "unrecognized arguments: --no-such-flag"),
+    ("bad_layout", "= 3, but the world size is 4"),
+    ("bad_kv_heads", "n_kv_heads 3 must divide n_heads 4"),
+    ("bad_tp_kv_heads", "tp 2 must divide the 4 query and 1 key/value heads"),
+    ("bad_vocab", f"the token file's vocabulary ({TOKENIZER_VOCAB}) exceeds the model's (256)"),
+    ("bad_hf", "not_llama is not a Llama this recipe can load: model_type 'gpt2' is not 'llama'")])
 def test_a_bad_flag_is_one_line_and_status_2(runs, name, message):
     result = runs[name]
     assert result.returncode == 2, result.output
@@ -290,3 +336,44 @@ def test_the_recipe_imports_only_torch_numpy_torchdata_the_standard_library_and_
     own = {p.stem for p in RECIPE.glob("*.py")}
     foreign = sorted(m for m in imported if m not in sys.stdlib_module_names | ALLOWED_THIRD_PARTY | own)
     assert foreign == [], f"{module} imports {foreign}"
+
+
+def test_an_hf_export_opens_in_transformers_and_gives_the_recipes_logits(runs, workspace):
+    """export --format hf, then `LlamaForCausalLM.from_pretrained`: the logits of the checkpoint's model within
+    1e-5 (both fp32 on the CPU; measured about 1e-7), on a batch of the held-out tokens."""
+    import numpy as np
+    import torch
+    from transformers import LlamaForCausalLM
+
+    root, _ = workspace
+    _assert_clean(runs["export_hf"], "export_hf")
+    assert {p.name for p in (root / "hf_llama").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
+    sys.path.insert(0, str(root))
+    try:
+        import generate
+        ours, _, _ = generate.load(root / "ck_fsdp")
+    finally:
+        sys.path.remove(str(root))
+    theirs = LlamaForCausalLM.from_pretrained(root / "hf_llama").eval()
+    tokens = torch.from_numpy(np.memmap(root / "tokens.bin", dtype=np.uint16, mode="r")[-64:].astype(np.int64))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens.view(4, 16)).logits, ours(tokens.view(4, 16)), rtol=0, atol=1e-5)
+
+
+def test_init_from_an_hf_folder_starts_from_its_weights_at_another_layout(runs):
+    """The folder exported from the FSDP2 run, loaded into tensor parallel 2 and not moved (--lr 0): the same
+    held-out loss as the run that wrote it."""
+    import math
+
+    _assert_clean(runs["init_from"], "init_from")
+    assert "weights of hf_llama" in runs["init_from"].stdout and "as TP 2" in runs["init_from"].stdout
+    assert math.isclose(runs["init_from"].final_eval(), runs["fsdp"].final_eval(), rel_tol=LOSS_RTOL)
+
+
+def test_generate_writes_text_from_a_checkpoint_and_its_export_alike_with_or_without_a_cache(runs):
+    outputs = {name: runs[name] for name in ("generate_ckpt", "generate_hf", "sample", "sample_no_cache")}
+    for name, result in outputs.items():
+        _assert_clean(result, name)
+        assert result.stdout.startswith(PROMPT) and len(result.stdout) > len(PROMPT) + 4, result.output
+    assert outputs["generate_ckpt"].stdout == outputs["generate_hf"].stdout, "the same weights, the same text"
+    assert outputs["sample"].stdout == outputs["sample_no_cache"].stdout, "the key/value cache changes no token"

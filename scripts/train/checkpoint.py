@@ -1,6 +1,3 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/checkpoint.py' in
-#   notebooks/06_checkpointing_and_fault_tolerance.ipynb
-# Edit those cells, not this file.
 """Distributed checkpoints (torch.distributed.checkpoint) with one commit protocol, and the export for inference.
 
 What a checkpoint holds: the model and optimizer (through get_state_dict: every rank writes its own pieces, named
@@ -167,29 +164,37 @@ class Checkpointer:
                 commit(self.root, step, self.keep, self.config)
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
-    """One torch.save file of the whole model (full tensors, on the CPU) for inference, from a committed checkpoint
-    written at any layout: one process, no process group; DCP assembles each parameter from the ranks' pieces.
-    Load it with `GPT(GPTConfig(**json.load(...)["model"])).load_state_dict(torch.load(out))`; the model's
-    configuration is saved in the same file under no key of the state dict: see `load_exported`."""
-    from model import GPT, GPTConfig
+def full_model_state(checkpoint: str | Path) -> tuple:
+    """(the model's config, its whole state dict on the CPU, the run's saved configuration) of a committed checkpoint
+    written at any layout: one process, no process group; DCP assembles each parameter from the ranks' pieces."""
+    from config import GPTConfig
+    from model import GPT
 
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / CONFIG_FILE).read_text())
+    cfg = GPTConfig(**config["model"])
     with torch.device("meta"):
-        model = GPT(GPTConfig(**config["model"]))
+        model = GPT(cfg)
     model.to_empty(device="cpu")
     state = model.state_dict()
     with warnings.catch_warnings():   # DCP warns that it loads in one process: that is the intent here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load({"train": {"model": state}}, checkpoint_id=checkpoint)
+    return cfg, state, config
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    """One torch.save file of the whole model (full tensors, on the CPU) for inference, from a committed
+    checkpoint: {"config": the model's config, "model": its state dict}; `load_exported` reads it back."""
+    cfg, state, config = full_model_state(checkpoint)
     torch.save({"config": config["model"], "model": state}, out)
     return Path(out)
 
 
 def load_exported(path: str | Path, device: str | torch.device = "cpu"):
     """The model an `export` file holds, ready for inference."""
-    from model import GPT, GPTConfig
+    from config import GPTConfig
+    from model import GPT
 
     saved = torch.load(path, map_location=device, weights_only=True)
     model = GPT(GPTConfig(**saved["config"])).to(device)
@@ -209,3 +214,88 @@ def export_full_state_dict(model, cfg, out: str | Path) -> None:
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         torch.save({"config": asdict(cfg), "model": state}, out)
+
+
+# -------------------------------------------------------------------------------------- Hugging Face checkpoints
+HF_WEIGHTS = "model.safetensors"
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A Hugging Face Llama folder from a committed checkpoint: config.json (model.py's `hf_config`, with the
+    training data's end-of-text token as eos_token_id), model.safetensors (the weights under Hugging Face's names, wq and wk reordered by
+    `to_hf`; a tied output stored once, as Hugging Face does) and the training data's tokenizer.json where it had
+    one. `LlamaForCausalLM.from_pretrained(out)` opens it (tests/test_llama_reference.py); so do vLLM and the
+    evaluation harnesses."""
+    from safetensors.torch import save_file
+
+    from config import hf_config
+    from model import to_hf
+
+    cfg, state, config = full_model_state(checkpoint)
+    tensors = dict(to_hf(name, t.to(dtype).contiguous(), cfg) for name, t in state.items()
+                   if not (cfg.tie_embeddings and name == "output.weight"))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / HF_WEIGHTS, metadata={"format": "pt"})
+    hf = hf_config(cfg, str(dtype).removeprefix("torch."))
+    trained_on = config.get("data") or {}
+    if trained_on.get("tokenizer") and Path(trained_on["tokenizer"]).exists():
+        shutil.copy(trained_on["tokenizer"], out / "tokenizer.json")
+    if trained_on.get("eot_id") is not None:
+        hf["eos_token_id"] = trained_on["eot_id"]
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    return out
+
+
+def hf_model_config(folder: str | Path):
+    """model.py's config of the Hugging Face Llama in `folder`; ValueError (one line) for a folder that holds none."""
+    from config import config_from_hf
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        return config_from_hf(json.loads(path.read_text()))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{folder} is not a Llama this recipe can load: {e}") from None
+
+
+def _hf_tensor_files(folder: Path) -> dict[str, Path]:
+    """Hugging Face name -> the .safetensors file holding it (model.safetensors, or the shards an index names)."""
+    index = folder / (HF_WEIGHTS + ".index.json")
+    if index.is_file():
+        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    if not (folder / HF_WEIGHTS).is_file():
+        raise ValueError(f"{folder}: neither {HF_WEIGHTS} nor its index")
+    from safetensors import safe_open
+
+    with safe_open(folder / HF_WEIGHTS, framework="pt") as f:
+        return {name: folder / HF_WEIGHTS for name in f.keys()}
+
+
+@torch.no_grad()
+def load_hf(model, folder: str | Path) -> None:
+    """Hugging Face Llama weights into the model at any layout, after `to_empty` (as `init_weights` would fill it):
+    each rank reads, for each parameter it holds a piece of (its pipeline stage's only), the whole tensor from the
+    safetensors file, puts it back in our layout (`from_hf`) and keeps its piece (`copy_full_into`)."""
+    from safetensors import safe_open
+
+    from model import copy_full_into, from_hf, hf_name
+
+    folder = Path(folder)
+    where = _hf_tensor_files(folder)
+    opened = {}
+    try:
+        for name, param in model.named_parameters():
+            name = name.replace("_orig_mod.", "")        # a compiled block's wrapper
+            key = hf_name(name)
+            if key not in where and name == "output.weight":
+                raise ValueError(f"{folder} has no {key}: its config says the output is not tied")
+            file = where[key]
+            if file not in opened:
+                opened[file] = safe_open(file, framework="pt")
+            tensor = opened[file].get_tensor(key).to(torch.float32)
+            copy_full_into(param, from_hf(name, tensor, model.cfg))
+    finally:
+        opened.clear()
+    model.init_rope()

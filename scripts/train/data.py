@@ -1,30 +1,35 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/data.py' in
-#   notebooks/06_checkpointing_and_fault_tolerance.ipynb
-# Edit those cells, not this file.
 """Tokens on disk, windows of them, and a loader whose position is part of the checkpoint.
 
-    python data.py --text a.txt b.txt --out tokens.bin          # or: python train.py prepare --text ... --out ...
+    python data.py --text a.txt b.txt --out tokens.bin --train-tokenizer 8192    # or: python train.py prepare ...
+    python data.py --text a.txt --out tokens.bin --tokenizer tokenizer.json     # any Hugging Face tokenizer.json
+    python data.py --text a.txt --out tokens.bin                                 # bytes: vocabulary 256
 
-Byte-level tokens (vocabulary 256, nothing to download or train): a text file's UTF-8 bytes are its tokens. The
-token file is raw uint8 (read with np.memmap, so a corpus larger than memory costs nothing to open) with a
-`.json` beside it saying its dtype and where the held-out tail for evaluation begins.
+A token file is raw uint8, uint16 or uint32 (the smallest that holds the vocabulary), read with np.memmap (a corpus
+larger than memory costs nothing to open), with `OUT.json` beside it: its dtype, vocabulary size, where the
+held-out tail for evaluation begins, the end-of-text token and the tokenizer's own file (`OUT.tokenizer.json`,
+copied there, so the tokens can be turned back into text). Documents (each text file, or the pieces
+`--doc-separator` cuts it into) end with the end-of-text token. Several token files made with one tokenizer are
+shards of one corpus: train.py takes them all.
 
-The order of the data is a function of (seed, epoch, global batch) only: one permutation of the windows per epoch,
-cut into consecutive global micro-batches, each split among the data-parallel ranks. The sampler's state is
-(epoch, windows consumed so far), counted globally, so a checkpoint resumes exactly, and at another data-parallel
-degree too, as long as the global batch is unchanged.
+The order of the data is a function of (seed, epoch, global batch) only: a pseudo-random permutation of the
+windows per epoch, computed window by window (a Feistel network: no table of the whole permutation in memory), cut
+into consecutive global micro-batches, each split among the data-parallel ranks. The sampler's state is (epoch,
+windows consumed so far), counted globally, so a checkpoint resumes exactly, and at another data-parallel degree
+too, as long as the global batch is unchanged.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-DTYPES = {"uint8": np.uint8, "uint16": np.uint16}
+DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
+EOT = "<|endoftext|>"
 
 
 def default_corpus_text() -> str:
@@ -35,25 +40,52 @@ def default_corpus_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def prepare(texts: list[str], out: str | Path, eval_fraction: float = 0.05) -> Path:
-    """Write the UTF-8 bytes of `texts` (strings) to `out` as uint8 tokens and `out`.json with its metadata; the
-    last `eval_fraction` of the tokens is the held-out tail. Written to a temporary name, then renamed: two ranks
-    preparing at once, or a crash, never leave a half file under the final name."""
-    import os
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer (GPT-2's and Llama 3's kind) trained on `texts` with Hugging Face's `tokenizers`:
+    it starts from the 256 bytes, so any text encodes, and merges the most frequent pairs until `vocab_size`; the
+    end-of-text token is its first special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def _write_atomically(path: Path, write) -> None:
+    """write(temporary path), then rename: two ranks preparing at once, or a crash, never leave a half file."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    write(partial)
+    os.replace(partial, path)
+
+
+def prepare(texts: list[str], out: str | Path, eval_fraction: float = 0.05, tokenizer=None) -> Path:
+    """Write the tokens of the documents `texts` to `out`, `out`.json (its metadata) and, with a tokenizer (a
+    `tokenizers.Tokenizer`), `out`.tokenizer.json; the last `eval_fraction` of the tokens is the held-out tail.
+    Without a tokenizer the tokens are the UTF-8 bytes of the documents joined by blank lines (vocabulary 256)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tokens = np.frombuffer("\n\n".join(texts).encode("utf-8"), dtype=np.uint8)
+    if tokenizer is None:
+        tokens = np.frombuffer("\n\n".join(texts).encode("utf-8"), dtype=np.uint8)
+        vocab, eot, tokenizer_file = 256, None, None
+    else:
+        eot, vocab = tokenizer.token_to_id(EOT), tokenizer.get_vocab_size()
+        if eot is None:
+            raise ValueError(f"the tokenizer has no {EOT} token to end documents with")
+        dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
+        tokens = np.concatenate([np.array(e.ids + [eot], dtype=dtype) for e in tokenizer.encode_batch(texts)])
+        tokenizer_file = out.with_name(out.name + ".tokenizer.json")
+        _write_atomically(tokenizer_file, lambda p: tokenizer.save(str(p)))
     if len(tokens) < 2:
         raise ValueError("the text is empty")
-    meta = {"dtype": "uint8", "vocab_size": 256, "tokens": int(len(tokens)),
-            "eval_start": int(len(tokens) * (1 - eval_fraction))}
-    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
-    tokens.tofile(partial)
-    os.replace(partial, out)
-    partial_meta = out.with_name(f".{out.name}.json.{os.getpid()}.partial")
-    partial_meta.write_text(json.dumps(meta))
-    os.replace(partial_meta, meta_path(out))
+    meta = {"dtype": tokens.dtype.name, "vocab_size": vocab, "tokens": int(len(tokens)),
+            "eval_start": int(len(tokens) * (1 - eval_fraction)), "eot_id": eot,
+            "tokenizer": tokenizer_file.name if tokenizer_file else None}
+    _write_atomically(out, tokens.tofile)
+    _write_atomically(meta_path(out), lambda p: p.write_text(json.dumps(meta)))
     return out
 
 
@@ -61,48 +93,100 @@ def meta_path(tokens_file: str | Path) -> Path:
     return Path(str(tokens_file) + ".json")
 
 
+def read_meta(path: str | Path) -> dict:
+    return json.loads(meta_path(path).read_text())
+
+
+def vocab_size(paths: list) -> int:
+    """The vocabulary of token files made with one tokenizer; ValueError if they were not."""
+    metas = [read_meta(p) for p in paths]
+    if len({(m["vocab_size"], m.get("eot_id")) for m in metas}) > 1:
+        raise ValueError(f"the token files {[str(p) for p in paths]} were made with different tokenizers")
+    return metas[0]["vocab_size"]
+
+
+def describe(paths: list) -> dict:
+    """What a checkpoint records of its data: the files, and the tokenizer file and end-of-text token that turn its
+    ids back into text."""
+    first = Path(paths[0])
+    tokenizer = read_meta(first).get("tokenizer")
+    return {"files": [str(Path(p).resolve()) for p in paths],
+            "tokenizer": str((first.parent / tokenizer).resolve()) if tokenizer else None,
+            "vocab_size": vocab_size(paths), "eot_id": read_meta(first).get("eot_id")}
+
+
 def load_tokens(path: str | Path, split: str) -> np.ndarray:
     """The train or eval part of a token file, memory-mapped (read-only, nothing loaded yet)."""
-    meta = json.loads(meta_path(path).read_text())
+    meta = read_meta(path)
     tokens = np.memmap(path, dtype=DTYPES[meta["dtype"]], mode="r", shape=(meta["tokens"],))
     return tokens[:meta["eval_start"]] if split == "train" else tokens[meta["eval_start"]:]
 
 
 class TokenWindows(torch.utils.data.Dataset):
-    """Non-overlapping windows of seq_len tokens and their next tokens: item i is (x, y), y = x shifted by one."""
+    """Non-overlapping windows of seq_len tokens and their next tokens, over one or more token arrays (shards; no
+    window crosses from one to the next): item i is (x, y), y = x shifted by one."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        self.tokens, self.seq_len = tokens, seq_len
-        self.n = (len(tokens) - 1) // seq_len
+    def __init__(self, shards: list[np.ndarray], seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        counts = [(len(t) - 1) // seq_len for t in shards]
+        self.starts = np.cumsum([0] + counts)          # the first window of each shard
+        self.n = int(self.starts[-1])
         if self.n < 1:
-            raise ValueError(f"{len(tokens)} tokens make no window of {seq_len}")
+            raise ValueError(f"{sum(len(t) for t in shards)} tokens make no window of {seq_len}")
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int):
-        chunk = torch.from_numpy(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1].astype(np.int64))
+        shard = int(np.searchsorted(self.starts, i, side="right")) - 1
+        start = (i - int(self.starts[shard])) * self.seq_len
+        chunk = torch.from_numpy(self.shards[shard][start:start + self.seq_len + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
+
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _round(half: np.ndarray, key: int, round_index: int) -> np.ndarray:
+    """A round of the Feistel network: splitmix64's finaliser of (half, key, round), a well-mixed 64-bit hash."""
+    z = half + np.uint64(key & 0xFFFFFFFFFFFF) * _MIX[0] + np.uint64(round_index + 1) * _MIX[1]
+    z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+    return z ^ (z >> np.uint64(31))
+
+
+def permute(indices: np.ndarray, n: int, key: int) -> np.ndarray:
+    """Where each of `indices` (in range(n)) goes under a pseudo-random permutation of range(n) chosen by `key`,
+    computed for these indices alone: four Feistel rounds are a bijection of the 2^(2h) numbers of 2h bits (the
+    smallest even width covering n), and a result >= n goes through the rounds again ("cycle walking") until it
+    lands in range(n), which keeps it a bijection of range(n) (fewer than 4 tries on average)."""
+    half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
+    shift, mask = np.uint64(half_bits), np.uint64((1 << half_bits) - 1)
+    x = np.asarray(indices, dtype=np.uint64).copy()
+    todo = np.ones(len(x), dtype=bool)
+    with np.errstate(over="ignore"):                        # the hash multiplies modulo 2^64 on purpose
+        while todo.any():
+            left, right = x[todo] >> shift, x[todo] & mask
+            for r in range(4):
+                left, right = right, left ^ (_round(right, key, r) & mask)
+            x[todo] = (left << shift) | right
+            todo = x >= np.uint64(n)
+    return x.astype(np.int64)
 
 
 class GlobalBatchSampler:
     """An endless, stateful batch sampler: yields this data-parallel rank's share (`local` window indices) of each
-    global micro-batch (`local * dp_size` consecutive windows of the epoch's permutation). Its state counts windows
-    globally, so it is the same on every rank and at every data-parallel degree. StatefulDataLoader saves it (it
-    is its own iterator, with state_dict/load_state_dict)."""
+    global micro-batch (`local * dp_size` consecutive positions of the epoch's permutation). Its state counts
+    windows globally, so it is the same on every rank and at every data-parallel degree. StatefulDataLoader saves
+    it (it is its own iterator, with state_dict/load_state_dict). Memory: one micro-batch of indices, whatever the
+    corpus (a table of the permutation would take 8 bytes per window, on every rank)."""
 
     def __init__(self, n_windows: int, local: int, dp_rank: int, dp_size: int, global_batch: int, seed: int = 0):
         self.n, self.local, self.dp_rank, self.dp_size, self.seed = n_windows, local, dp_rank, dp_size, seed
         self.per_epoch = n_windows // global_batch * global_batch   # whole optimizer steps only
         if self.per_epoch == 0:
             raise ValueError(f"{n_windows} training windows make no global batch of {global_batch}")
-        self.epoch, self.consumed, self._perm_epoch, self._perm = 0, 0, None, None
-
-    def _permutation(self) -> torch.Tensor:
-        if self._perm_epoch != self.epoch:
-            generator = torch.Generator().manual_seed(self.seed * 7919 + self.epoch)
-            self._perm, self._perm_epoch = torch.randperm(self.n, generator=generator), self.epoch
-        return self._perm
+        self.epoch, self.consumed = 0, 0
 
     def __iter__(self):
         return self
@@ -112,7 +196,8 @@ class GlobalBatchSampler:
             self.epoch, self.consumed = self.epoch + 1, 0
         start = self.consumed + self.dp_rank * self.local
         self.consumed += self.local * self.dp_size
-        return self._permutation()[start:start + self.local].tolist()
+        positions = np.arange(start, start + self.local)
+        return permute(positions, self.n, self.seed * 7919 + self.epoch).tolist()
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed}
@@ -121,25 +206,25 @@ class GlobalBatchSampler:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
-def train_loader(path: str | Path, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, global_batch: int,
+def train_loader(paths: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, global_batch: int,
                  seed: int = 0):
-    """torchdata's StatefulDataLoader over the training windows: `next(iter(loader))` is this rank's micro-batch,
-    and `loader.state_dict()` its exact position (kept in the checkpoint)."""
+    """torchdata's StatefulDataLoader over the training windows of the token files `paths`: `next(iter(loader))`
+    is this rank's micro-batch, and `loader.state_dict()` its exact position (kept in the checkpoint)."""
     import warnings
 
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    windows = TokenWindows(load_tokens(path, "train"), seq_len)
+    windows = TokenWindows([load_tokens(p, "train") for p in paths], seq_len)
     sampler = GlobalBatchSampler(len(windows), local_batch, dp_rank, dp_size, global_batch, seed)
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which newer torch deprecates
         warnings.filterwarnings("ignore", message=".*set_vital")
         return StatefulDataLoader(windows, batch_sampler=sampler, num_workers=0)
 
 
-def eval_batches(path: str | Path, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, max_windows: int):
-    """The held-out windows (the first `max_windows` of the tail, in order), this rank's share in batches: the
+def eval_batches(paths: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, max_windows: int):
+    """The held-out windows (the first `max_windows` of the tails, in order), this rank's share in batches: the
     same set at every layout, so the evaluation loss is comparable between layouts."""
-    windows = TokenWindows(load_tokens(path, "eval"), seq_len)
+    windows = TokenWindows([load_tokens(p, "eval") for p in paths], seq_len)
     n = min(len(windows), max_windows) // dp_size * dp_size
     if n == 0:
         raise ValueError(f"the held-out tail has {len(windows)} windows of {seq_len}: fewer than {dp_size} ranks")
@@ -150,21 +235,50 @@ def eval_batches(path: str | Path, seq_len: int, local_batch: int, dp_rank: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Turn text files into a byte-level token file (uint8) with a "
-                                     "held-out tail for evaluation.")
+    parser = argparse.ArgumentParser(prog="train.py prepare", description="Turn text files into a token file with "
+                                     "a held-out tail for evaluation: bytes, a tokenizer.json, or a BPE tokenizer "
+                                     "trained here on the same texts.")
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")   # one line, status 2
     parser.add_argument("--text", nargs="+", required=True, help="UTF-8 text files")
     parser.add_argument("--out", required=True, help="the token file to write (and OUT.json beside it)")
     parser.add_argument("--eval-fraction", type=float, default=0.05, help="the tail held out for evaluation")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (the `tokenizers` package reads it)")
+    which.add_argument("--train-tokenizer", type=int, metavar="VOCAB", help="train a byte-level BPE tokenizer of "
+                       "this vocabulary size on the texts (needs `tokenizers`)")
+    parser.add_argument("--doc-separator", help="cut each file into documents at this string (default: a file is "
+                        "a document); with a tokenizer each document ends with its end-of-text token")
     args = parser.parse_args(argv)
     if not 0 < args.eval_fraction < 1:
         parser.error(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
-    missing = [t for t in args.text if not Path(t).is_file()]
+    missing = [t for t in args.text + [args.tokenizer or ""] if t and not Path(t).is_file()]
     if missing:
         parser.error(f"no such file: {', '.join(missing)}")
-    out = prepare([Path(t).read_text(encoding="utf-8") for t in args.text], args.out, args.eval_fraction)
-    meta = json.loads(meta_path(out).read_text())
-    print(f"wrote {out}: {meta['tokens']:,} byte tokens, the last {meta['tokens'] - meta['eval_start']:,} held out "
-          f"for evaluation", file=sys.stderr)
+    if args.train_tokenizer is not None and args.train_tokenizer < 257:
+        parser.error(f"--train-tokenizer {args.train_tokenizer}: a byte-level BPE needs more than 256 tokens")
+    texts = [Path(t).read_text(encoding="utf-8") for t in args.text]
+    if args.doc_separator:
+        texts = [doc for text in texts for doc in text.split(args.doc_separator) if doc.strip()]
+    tokenizer = None
+    if args.tokenizer:
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(args.tokenizer)
+        except Exception as e:      # the tokenizers package raises its own exception type for a bad file
+            parser.error(f"--tokenizer {args.tokenizer}: {str(e).splitlines()[0]}")
+    elif args.train_tokenizer:
+        tokenizer = train_tokenizer(texts, args.train_tokenizer)
+    try:
+        out = prepare(texts, args.out, args.eval_fraction, tokenizer)
+    except ValueError as e:
+        parser.error(str(e))
+    meta = read_meta(out)
+    kind = f"{meta['vocab_size']:,}-token BPE" if tokenizer else "byte"
+    print(f"wrote {out}: {meta['tokens']:,} {kind} tokens ({meta['dtype']}) from {len(texts)} document"
+          f"{'s' * (len(texts) != 1)}, the last {meta['tokens'] - meta['eval_start']:,} held out for evaluation",
+          file=sys.stderr)
+
 
 if __name__ == "__main__":
     main()

@@ -1,18 +1,18 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/model.py' in
-#   notebooks/03_fsdp_and_device_mesh.ipynb
-# Edit those cells, not this file.
-"""The GPT every part of the recipe trains: a decoder-only transformer on bytes, in torchtitan's module names.
+"""The model every part of the recipe trains: a Llama-architecture decoder (RMSNorm, rotary position embeddings,
+SwiGLU feed-forward, grouped-query attention, an optional tied output, no biases), in torchtitan's module names.
 
 Why it looks like this: parallelism is applied to this unchanged model by the functions in parallelize.py, so the
 model holds no parallel code. Three choices make that possible:
 - `layers` is a ModuleDict: a pipeline stage deletes the blocks it does not own and keeps the others' names, so a
   checkpoint's fully-qualified names are the same at every layout.
-- The attention derives its head count from the local weight (`view(b, t, -1, head_dim)`): under tensor
-  parallelism a rank holds whole heads, and the same forward runs on its share.
+- The attention derives its head counts from the local weights (`view(b, t, -1, head_dim)`): under tensor
+  parallelism a rank holds whole query and key/value heads, and the same forward runs on its share.
 - `init_weights(seed)` makes every parameter from nothing, after `to_empty` from the meta device and on DTensors
   after `fully_shard`/`parallelize_module`, and gives the same numbers at every layout: each parameter is drawn in
   full from a generator seeded by (seed, its name), and each rank keeps its own piece. A rank so holds, for a moment,
   one whole parameter (the largest: vocab x dim or dim x hidden), never the whole model.
+Its shape is config.py's `GPTConfig`. Its state dict converts to and from Hugging Face's `LlamaForCausalLM` (`to_hf`,
+`from_hf`): the same weights give the same logits (tests/test_llama_reference.py holds it against `transformers`).
 """
 from __future__ import annotations
 
@@ -24,59 +24,85 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from config import GPTConfig
 
-@dataclass
-class GPTConfig:
-    vocab_size: int = 256      # byte-level tokens
-    dim: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
-    max_seq_len: int = 1024
-    mlp_ratio: int = 4         # hidden = mlp_ratio * dim
-    norm_eps: float = 1e-5
 
-    @property
-    def hidden(self) -> int:
-        return self.mlp_ratio * self.dim
+def rope_tables(cfg: GPTConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, frequency), shapes (max_seq_len, head_dim / 2), float32. Pair i of a head
+    turns by position x theta^(-2i / head_dim): fast turns for the first pairs, slow for the last. With Llama 3.1's
+    `rope_scaling` the slow frequencies (wavelengths beyond the original context) are divided by `factor`, the fast
+    ones kept, and those between blended (Hugging Face's `_compute_llama3_parameters`, in the same float32 steps)."""
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).float() / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+    if cfg.rope_scaling:
+        s = cfg.rope_scaling
+        old = s["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / s["low_freq_factor"], old / s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+        smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+        blended = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
 
-    def num_params(self) -> int:
-        """P = V*D + S*D + L*(4*D^2 + 2*D*H + 2*D) + D + D*V (the formula the memory planner uses)."""
-        v, d, s, n, h = self.vocab_size, self.dim, self.max_seq_len, self.n_layers, self.hidden
-        return v * d + s * d + n * (4 * d * d + 2 * d * h + 2 * d) + d + d * v
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward and backward, 3 x the forward's 2 FLOPs per multiply-add): 6 per weight
-        of every matmul (the embedding lookups are no matmuls) plus the attention scores and their use,
-        12 * layers * dim * seq_len (PaLM's appendix B; causal masking is not discounted, as there)."""
-        d, n, h, v = self.dim, self.n_layers, self.hidden, self.vocab_size
-        matmul_weights = n * (4 * d * d + 2 * d * h) + d * v
-        return 6 * matmul_weights + 12 * n * d * seq_len
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each consecutive pair (x[2i], x[2i+1]) of every head by its position's angle: x is (batch, seq, heads,
+    head_dim), cos and sin (seq, head_dim / 2). Meta's and torchtitan's convention (interleaved pairs; Hugging Face
+    pairs x[i] with x[i + head_dim/2] instead, and `to_hf` permutes wq and wk to match). In float32, as Meta's."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[:, None, :], sin[:, None, :]             # the same angle for every head
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
+    """Causal self-attention with rotary positions and grouped-query attention: wk and wv make n_kv_heads heads,
+    each repeated for its group of n_heads / n_kv_heads query heads (fewer key/value bytes to keep and to cache,
+    the same attention otherwise)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if cfg.dim % cfg.n_heads:
-            raise ValueError(f"dim {cfg.dim} is not divisible by n_heads {cfg.n_heads}")
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.dim, cfg.dim, bias=False) for _ in range(4))
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: all of them in one process, this rank's whole heads under tensor parallelism
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = (w(x).view(b, t, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))    # (batch, heads, seq, head_dim)
+        past = 0
+        if cache is not None:                               # generation: the earlier tokens' keys and values
+            past = cache.length
+            k, v = cache.update(k, v)
+        group = q.shape[1] // k.shape[1]                    # query heads per key/value head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if past == 0 or t == 1:                             # all tokens new (training), or one new token
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0)
+        else:                                               # several new tokens after cached ones
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x). The gate (w1) decides per hidden unit how much of the value (w3) passes; with
+    three matrices instead of two, Llama's hidden width is 2/3 of the classic 4 x dim, so it costs the same."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
         self.w2 = nn.Linear(cfg.hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
@@ -89,32 +115,39 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class GPT(nn.Module):
     """Token ids (batch, seq) -> logits (batch, seq, vocab); the loss is computed outside. A pipeline stage sets the
-    parts it does not own to None: the first stage takes token ids, the others hidden states."""
+    parts it does not own to None: the first stage takes token ids, the others hidden states. The rotary tables are
+    buffers of the root, not saved in checkpoints (init_weights computes them), passed to every block."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight          # one tensor, two uses
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = tokens
-        if self.tok_embeddings is not None:
-            # positions as (1, seq): under tensor parallelism both lookups come out sharded along dim 1 alike
-            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-            h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
-        for block in self.layers.values():
-            h = block(h)
+    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        start = 0 if cache is None else cache.length
+        if start + tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"{start + tokens.shape[1]} positions exceed max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[start:start + tokens.shape[1]], self.rope_sin[start:start + tokens.shape[1]]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for name, block in self.layers.items():
+            h = block(h, cos, sin, None if cache is None else cache.layer(int(name)))
+        if cache is not None:
+            cache.length += tokens.shape[1]
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
@@ -123,9 +156,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Every parameter from nothing, the same numbers at every layout: normal(0, 0.02) for the embeddings and
+        """Every parameter from nothing, the same numbers at every layout: normal(0, 0.02) for the embedding and
         the Linear weights, 0.02 / sqrt(2 * n_layers) for the two that write into the residual stream (`wo`, `w2`:
-        GPT-2's scaling), ones for the RMSNorm weights. Parameters may be DTensors (sharded, replicated)."""
+        GPT-2's scaling), ones for the RMSNorm weights; then the rotary tables. Parameters may be DTensors."""
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             name = name.replace("_orig_mod.", "")      # a torch.compile'd block's wrapper (apply_compile)
@@ -135,10 +168,23 @@ class GPT(nn.Module):
                 std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 full = torch.empty(param.shape).normal_(0.0, std, generator=generator)
-            _copy_full_into(param, full)
+            copy_full_into(param, full)
+        self.init_rope()
+
+    @torch.no_grad()
+    def init_rope(self) -> None:
+        """The rotary tables, on the buffers' device (after to_empty they hold garbage)."""
+        cos, sin = rope_tables(self.cfg)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
 
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss on float32 logits (a bf16 softmax would lose the loss's low bits)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Write a whole tensor into a parameter that may hold only this rank's piece of it (a DTensor)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -149,3 +195,84 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.to_local().copy_(piece.to_local())
     else:
         param.copy_(full)
+
+
+class KVCache:
+    """The keys and values of the tokens generated so far, per block, so each new token runs the model on itself
+    alone (one process, inference). Holds n_kv_heads heads, not n_heads: grouped-query attention's saving."""
+
+    def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"{max_len} tokens exceed the model's max_seq_len {cfg.max_seq_len}")
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k, self.v = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0                              # tokens cached; the model's forward advances it
+
+    def layer(self, index: int) -> "_LayerCache":
+        return _LayerCache(self, index)
+
+
+@dataclass
+class _LayerCache:
+    cache: KVCache
+    index: int
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' keys and values (batch, kv_heads, new, head_dim); return every token's."""
+        start, end = self.cache.length, self.cache.length + k.shape[2]
+        if end > self.cache.k.shape[3]:
+            raise ValueError(f"the cache holds {self.cache.k.shape[3]} tokens; {end} asked")
+        self.cache.k[self.index, :, :, start:end] = k
+        self.cache.v[self.index, :, :, start:end] = v
+        return self.cache.k[self.index, :, :, :end], self.cache.v[self.index, :, :, :end]
+
+
+# ------------------------------------------------------------------------------------ Hugging Face's Llama, both ways
+_HF_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_HF_BLOCK = {"attention_norm": "input_layernorm", "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj"}
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> `LlamaForCausalLM`'s (`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.
+    q_proj.weight`)."""
+    if name in _HF_TOP:
+        return _HF_TOP[name]
+    _, index, rest = name.split(".", 2)
+    module, _, leaf = rest.rpartition(".")
+    return f"model.layers.{index}.{_HF_BLOCK[module]}.{leaf}"
+
+
+def _rotary_heads(name: str, cfg: GPTConfig) -> int | None:
+    """The head count of a weight whose output rows carry rotary pairs (wq, wk), else None."""
+    if name.endswith("attention.wq.weight"):
+        return cfg.n_heads
+    if name.endswith("attention.wk.weight"):
+        return cfg.n_kv_heads
+    return None
+
+
+def to_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> tuple[str, torch.Tensor]:
+    """One of our weights as Hugging Face stores it: its name, and for wq and wk the rows of each head reordered
+    from interleaved pairs (x[2i], x[2i+1]) to halves (x[i], x[i + head_dim/2]), as Meta's conversion script does."""
+    heads = _rotary_heads(name, cfg)
+    if heads is not None:
+        rows, cols = tensor.shape
+        tensor = tensor.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return hf_name(name), tensor
+
+
+def from_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """Hugging Face's tensor for our parameter `name` (found under `hf_name(name)`), back in our layout: `to_hf`'s
+    reordering undone."""
+    heads = _rotary_heads(name, cfg)
+    if heads is not None:
+        rows, cols = tensor.shape
+        tensor = tensor.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    return tensor

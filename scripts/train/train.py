@@ -1,27 +1,27 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/train.py' in
-#   notebooks/09_from_notebook_to_cluster.ipynb
-# Edit those cells, not this file.
-"""Train the GPT of model.py under torchrun, at any layout of data, tensor and pipeline parallelism.
+"""Train the Llama of model.py under torchrun, at any layout of data, tensor and pipeline parallelism.
 
-    python train.py prepare --text a.txt b.txt --out tokens.bin             # text -> byte tokens (no download)
+    python train.py prepare --text a.txt --out tokens.bin --train-tokenizer 8192   # a BPE tokenizer and its tokens
     torchrun --standalone --nproc-per-node=2 train.py --data tokens.bin     # FSDP2 over 2 ranks (the default)
     torchrun --standalone --nproc-per-node=2 train.py --dp-replicate 2 --dp-shard 1    # DDP
     torchrun --standalone --nproc-per-node=4 train.py --dp-replicate 2 --dp-shard 2    # HSDP 2 x 2
     torchrun --standalone --nproc-per-node=4 train.py --tp 2                # FSDP2 x tensor parallel 2 x 2
     torchrun --standalone --nproc-per-node=2 train.py --pp 2 --accum 4      # pipeline, 4 micro-batches
-    python train.py export --ckpt-dir ckpt --out model.pt                   # one file for inference
+    torchrun --standalone --nproc-per-node=8 train.py --init-from Llama-3.2-1B --data tokens.bin   # fine-tune
+    python train.py export --ckpt-dir ckpt --format hf --out my-llama       # a Hugging Face folder
+    python generate.py --model my-llama --prompt "Once upon a time"         # look at what was trained
 
-Without --data it trains on CPython's language reference (shipped with Python), prepared on first use. Defaults fit
-the device: a ~86M-parameter model at sequence length 1024 in bf16 with torch.compile on GPUs (NCCL), a tiny one on
-CPUs (gloo) that trains for about a minute on two cores. Run it again with the same --ckpt-dir and it resumes from
-the newest committed checkpoint, bit for bit at the same layout, and at another layout with the same weights,
-optimizer state, schedule and data order (the global batch, --batch, must stay the same).
+Without --data it trains on CPython's language reference (shipped with Python) as bytes, prepared on first use.
+Defaults fit the device: the preset 'small' (a Llama of dim 768, 12 layers, sequence length 1024) in bf16 with
+torch.compile on GPUs (NCCL), 'tiny' on CPUs (gloo), which trains for about a minute on two cores. Run it again with
+the same --ckpt-dir and it resumes from the newest committed checkpoint, bit for bit at the same layout, and at
+another layout with the same weights, optimizer state, schedule and data order (the global batch, --batch, must
+stay the same).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
+import dataclasses
 import json
 import math
 import os
@@ -33,50 +33,25 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import checkpoint as ckpt
 import data
+import hardware
 import parallelize as par
-from model import GPT, GPTConfig
+from ac import apply_ac, apply_compile
+from config import PRESETS, GPTConfig, preset
+from distributed import run_distributed, uses_gpu
+from model import GPT, cross_entropy
+from pipeline import pipeline_schedule, pipeline_split, pipeline_stage
+from tp import apply_tp
 
-GPU_DEFAULTS = {"dim": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024, "batch_per_dp_rank": 16, "steps": 1000,
-                "dtype": "bf16", "compile": True, "lr": 6e-4}
-CPU_DEFAULTS = {"dim": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128, "batch_per_dp_rank": 8, "steps": 150,
-                "dtype": "fp32", "compile": False, "lr": 3e-3}
+GPU_DEFAULTS = {"model": "small", "batch_per_dp_rank": 16, "steps": 1000, "dtype": "bf16", "compile": True,
+                "lr": 6e-4}
+CPU_DEFAULTS = {"model": "tiny", "batch_per_dp_rank": 8, "steps": 150, "dtype": "fp32", "compile": False, "lr": 3e-3}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-# ---------------------------------------------------------------------------------------------------- process group
-def uses_gpu() -> bool:
-    """One GPU per local rank, or the CPU for every rank (never a mix)."""
-    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-def init_distributed() -> torch.device:
-    """Join the process group torchrun's environment describes; returns this rank's device. On GPUs: NCCL for CUDA
-    tensors bound to this rank's GPU (set_device first: object collectives use the current device; then device_id),
-    and gloo beside it for CPU tensors (the stop flag, async checkpoint saves). On CPUs: gloo."""
-    if uses_gpu():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-        return device
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
-
-
-def run_distributed(body, *args, **kwargs):
-    """init, body(device, ...), then gc.collect() and destroy_process_group() in a finally. `body` returns plain
-    values only, so every object holding collective work is freed before the group goes (else gloo can abort the
-    process at exit)."""
-    device = init_distributed()
-    try:
-        return body(device, *args, **kwargs)
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
+SHAPE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "tie_embeddings")   # a preset's fields a flag changes
+VOCAB_MULTIPLE = 64        # a vocabulary from the token file is rounded up to this (any --tp up to 64 divides it)
 
 
 # ---------------------------------------------------------------------------------------------------------- flags
@@ -90,12 +65,21 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> Parser:
     p = Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="a JSON file of flag values (names as below, with _), overridden by flags")
-    g = p.add_argument_group("model (default: GPU-sized on GPUs, tiny on CPUs)")
+    g = p.add_argument_group("model (default: the preset 'small' on GPUs, 'tiny' on CPUs)")
+    g.add_argument("--model", choices=sorted(PRESETS), help="a named shape (config.py's PRESETS); the flags below "
+                   "change it")
+    g.add_argument("--init-from", help="a Hugging Face Llama folder (config.json, *.safetensors): its shape, and "
+                   "its weights before the first step (a checkpoint in --ckpt-dir wins: that is a resume)")
     g.add_argument("--dim", type=int)
     g.add_argument("--n-layers", type=int)
     g.add_argument("--n-heads", type=int)
-    g.add_argument("--mlp-ratio", type=int, default=4)
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (also the model's max_seq_len)")
+    g.add_argument("--n-kv-heads", type=int, help="key/value heads (grouped-query attention; default: the preset's)")
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, help="the output layer is the "
+                   "embedding (default: the preset's, untied)")
+    g.add_argument("--vocab-size", type=int, help="default: the token file's, rounded up to a multiple of "
+                   f"{VOCAB_MULTIPLE}")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's max_seq_len, which it "
+                   "sets unless --init-from gives one)")
     g = p.add_argument_group("layout: pp x dp_replicate x dp_shard x tp = world size")
     g.add_argument("--dp-replicate", type=int, default=1, help="replicas (DDP; HSDP with --dp-shard > 1)")
     g.add_argument("--dp-shard", type=int, default=-1, help="FSDP2 shards (-1: what the world size leaves)")
@@ -103,7 +87,8 @@ def build_parser() -> Parser:
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (the micro-batches are --accum)")
     g.add_argument("--pp-schedule", choices=["1f1b", "gpipe"], default="1f1b")
     g = p.add_argument_group("training")
-    g.add_argument("--data", help="a token file from `train.py prepare` (default: CPython's language reference)")
+    g.add_argument("--data", nargs="+", help="token files from `train.py prepare` (several: shards of one corpus; "
+                   "default: CPython's language reference as bytes)")
     g.add_argument("--steps", type=int, help="optimizer steps in all (a resumed run continues to it)")
     g.add_argument("--batch", type=int, help="global batch: sequences per optimizer step over all data-parallel "
                    "ranks (default: 16 per data-parallel rank on GPUs, 8 on CPUs)")
@@ -138,8 +123,8 @@ def build_parser() -> Parser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Flags over --config over the device's defaults; every layout and size error here, before any process
-    group exists (exit status 2, one line)."""
+    """Flags over --config over the device's defaults; every layout, size and data error here, before any process
+    group exists (exit status 2, one line). Sets `args.model_config`, the model's shape."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.config:
@@ -153,14 +138,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--config {args.config}: unknown keys {unknown}")
         parser.set_defaults(**values)
         args = parser.parse_args(argv)
-    defaults = GPU_DEFAULTS if uses_gpu() else CPU_DEFAULTS
-    for key in ("dim", "n_layers", "n_heads", "seq_len", "steps", "dtype", "compile", "lr"):
+    try:
+        defaults = GPU_DEFAULTS if uses_gpu() else CPU_DEFAULTS
+    except ValueError as e:                      # more ranks on this node than GPUs
+        parser.error(str(e))
+    for key in ("model", "steps", "dtype", "compile", "lr"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    for key in ("tp", "pp", "dp_replicate", "accum", "steps", "dim", "n_layers", "n_heads", "seq_len", "log_every"):
-        if getattr(args, key) < 1:
+    for key in ("tp", "pp", "dp_replicate", "accum", "steps", "log_every", *SHAPE_FLAGS[:4], "seq_len", "vocab_size"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+    missing = [f for f in args.data or [] if not Path(f).is_file()]
+    if missing:
+        parser.error(f"--data {' '.join(missing)}: no such file (make one with: python train.py prepare --text ... "
+                     "--out ...)")
+    try:
+        args.model_config = model_config(args)
+    except ValueError as e:
+        parser.error(str(e))
     if args.dp_shard == -1:
         args.dp_shard = world // (args.dp_replicate * args.tp * args.pp) or 1
     dp = args.dp_replicate * args.dp_shard
@@ -169,35 +165,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     try:
-        par.check_layout(world, args.dp_replicate, args.dp_shard, args.tp, args.pp, model_config(args), args.seq_len)
+        par.check_layout(world, args.dp_replicate, args.dp_shard, args.tp, args.pp, args.model_config, args.seq_len)
     except ValueError as e:
         parser.error(str(e))
-    if args.dim % args.n_heads:
-        parser.error(f"--n-heads {args.n_heads} must divide --dim {args.dim}")
     if args.batch % (dp * args.accum):
         parser.error(f"--batch {args.batch} must be a multiple of data-parallel ranks {dp} x --accum {args.accum}")
     if args.pp > 1 and args.pp_schedule == "1f1b" and args.accum < args.pp:
         parser.error(f"the 1f1b schedule needs --accum (micro-batches) >= --pp {args.pp}, got {args.accum}")
     if args.export and args.pp > 1 and not args.ckpt_dir:
         parser.error("--export with --pp needs --ckpt-dir: no rank holds the whole model, the checkpoint does")
-    if args.data is not None and not Path(args.data).is_file():
-        parser.error(f"--data {args.data}: no such file (make one with: python train.py prepare --text ... --out ...)")
     return args
 
 
 def model_config(args) -> GPTConfig:
-    return GPTConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, max_seq_len=args.seq_len,
-                     mlp_ratio=args.mlp_ratio)
+    """The model's shape: --init-from's config.json, else the preset with the shape flags; the sequence length
+    (the model's max_seq_len unless a Hugging Face config gives one); the vocabulary: the token file's rounded up to
+    a multiple of VOCAB_MULTIPLE unless the preset, --init-from or --vocab-size fixes it, and never smaller than the
+    token file's (a token id past the embedding's rows is a device-side assert on a GPU). ValueError, one line."""
+    tokens_vocab = data.vocab_size(args.data) if args.data else 256
+    if args.init_from:
+        cfg = ckpt.hf_model_config(args.init_from)
+        held = {**dataclasses.asdict(cfg), "vocab_size": cfg.vocab_size}
+        clash = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in SHAPE_FLAGS + ("vocab_size",)
+                 if getattr(args, k) is not None and getattr(args, k) != held[k]]
+        if clash:
+            raise ValueError(f"--init-from {args.init_from} fixes the model's shape: {', '.join(clash)} differ from "
+                             "its config.json")
+        args.seq_len = args.seq_len or cfg.max_seq_len
+        if args.seq_len > cfg.max_seq_len:
+            raise ValueError(f"--seq-len {args.seq_len} exceeds {args.init_from}'s max_position_embeddings "
+                             f"{cfg.max_seq_len}")
+    else:
+        shape = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
+        args.seq_len = args.seq_len or PRESETS[args.model]["max_seq_len"]
+        vocab = args.vocab_size or PRESETS[args.model].get("vocab_size") or \
+            -(-tokens_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        cfg = preset(args.model, **shape, vocab_size=vocab, max_seq_len=args.seq_len)
+    if tokens_vocab > cfg.vocab_size:
+        raise ValueError(f"the token file's vocabulary ({tokens_vocab}) exceeds the model's ({cfg.vocab_size})")
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------------- training
-def default_data() -> Path:
+def default_data() -> list[Path]:
     """CPython's language reference as byte tokens, prepared once per user (every rank may do it: the file is
     written under a temporary name and renamed, and every writer writes the same bytes)."""
     path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt-recipe" / "pydoc_topics.u8"
     if not data.meta_path(path).exists():
         data.prepare([data.default_corpus_text()], path)
-    return path
+    return [path]
 
 
 class Built:
@@ -207,7 +223,7 @@ class Built:
     def __init__(self, args, device: torch.device):
         self.args, self.device = args, device
         self.world = dist.get_world_size()
-        cfg = self.cfg = model_config(args)
+        cfg = self.cfg = args.model_config
         self.mesh = par.build_mesh(self.world, args.dp_replicate, args.dp_shard, args.tp, args.pp, device.type,
                                    cfg, args.seq_len)
         self.dp_rank, self.dp = par.dp_rank_and_size(self.mesh)
@@ -219,15 +235,15 @@ class Built:
         self.model, self.train_model = build_model(args, cfg, self.mesh, device, self.dtype)
         self.stage = None
         if args.pp > 1:
-            self.stage = par.pipeline_stage(self.train_model, self.mesh["pp"], device)
-            self.schedule = par.pipeline_schedule(self.stage, args.pp_schedule, args.accum, cross_entropy)
+            self.stage = pipeline_stage(self.train_model, self.mesh["pp"], device)
+            self.schedule = pipeline_schedule(self.stage, args.pp_schedule, args.accum, cross_entropy)
         # autocast where FSDP2's policy does not already compute in bf16
         self.autocast = self.dtype != torch.float32 and not self.fsdp
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
-        self.data_path = Path(args.data) if args.data else default_data()
+        self.data_paths = [Path(p) for p in args.data] if args.data else default_data()
         self.local_batch = args.batch // self.dp             # per step; a micro-batch is this / accum
         micro = self.local_batch if args.pp > 1 else self.local_batch // args.accum
-        self.loader = data.train_loader(self.data_path, args.seq_len, micro, self.dp_rank, self.dp,
+        self.loader = data.train_loader(self.data_paths, args.seq_len, micro, self.dp_rank, self.dp,
                                         args.batch, args.seed)
         self.batches = None        # iter(loader) at the first step: after a checkpoint has set its position
         self.state = ckpt.TrainState(self.train_model, self.optimizer, self.scheduler, self.loader)
@@ -266,30 +282,28 @@ def layout_name(args) -> str:
 
 
 def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype):
-    """The GPT made parallel by the layout, in parallelize.py's order: built on the meta device, cut into this
-    rank's pipeline stage, tensor parallel, activation checkpointing, compiled, sharded by FSDP2; then to_empty and
-    init_weights make this rank's pieces real. Returns (the model, the module the step calls: DDP's or the model)."""
+    """The model made parallel by the layout, in torchtitan's order: built on the meta device, cut into this rank's
+    pipeline stage, tensor parallel, activation checkpointing, compiled, sharded by FSDP2; then to_empty and
+    init_weights make this rank's pieces real (or --init-from's weights, each rank reading only the tensors its
+    pieces come from). Returns (the model, the module the step calls: DDP's or the model)."""
     with torch.device("meta"):                    # no memory yet: each rank materializes only its pieces
         model = GPT(cfg)
     if args.pp > 1:
-        model = par.pipeline_split(model, mesh["pp"])
+        model = pipeline_split(model, mesh["pp"])
     if args.tp > 1:
-        par.apply_tp(model, mesh["tp"], loss_parallel=True)
-    par.apply_ac(model, args.ac)
+        apply_tp(model, mesh["tp"], loss_parallel=True)
+    apply_ac(model, args.ac)
     if args.compile:
-        par.apply_compile(model)
+        apply_compile(model)
     if uses_fsdp(args):
         dims = ("dp_replicate", "dp_shard") if args.dp_replicate > 1 else ("dp_shard",)
         par.apply_fsdp(model, mesh[dims], param_dtype=dtype if dtype != torch.float32 else None,
                        reshard_after_forward=args.pp == 1)
     model.to_empty(device=device)
     model.init_weights(args.seed)
+    if args.init_from and not (args.ckpt_dir and ckpt.latest(args.ckpt_dir)):     # a resume wins
+        ckpt.load_hf(model, args.init_from)
     return model, par.apply_ddp(model, mesh["dp_replicate"], device) if uses_ddp(args) else model
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss on float32 logits (a bf16 softmax would lose the loss's low bits)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def lr_lambda(warmup: int, steps: int, min_ratio: float):
@@ -402,7 +416,7 @@ class Trainer(Stepper):
         self.train_model.eval()
         total = torch.zeros((), device=self.device)
         count = 0
-        for x, y in data.eval_batches(self.data_path, args.seq_len, max(1, self.local_batch // args.accum),
+        for x, y in data.eval_batches(self.data_paths, args.seq_len, max(1, self.local_batch // args.accum),
                                       self.dp_rank, self.dp, args.eval_windows):
             x, y = x.to(self.device), y.to(self.device)
             if self.stage is not None:
@@ -421,35 +435,13 @@ class Trainer(Stepper):
         n = self.args.accum
         if len(x) % n:
             n = 1
-        schedule = par.pipeline_schedule(self.stage, "gpipe", n, cross_entropy)
+        schedule = pipeline_schedule(self.stage, "gpipe", n, cross_entropy)
         losses = self._through_stages(schedule.eval if hasattr(schedule, "eval") else schedule.step, x, y)
         self.optimizer.zero_grad(set_to_none=True)
         return torch.stack([plain(l) for l in losses]).mean() if losses else torch.zeros((), device=self.device)
 
 
 # ---------------------------------------------------------------------------------------------------- measurements
-def matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of large square matmuls on this device in `dtype`, the best of a few timings (about a second on a
-    GPU, a fraction on a CPU): the ceiling MFU is measured against, what this rank can reach here and now (on a
-    shared CPU, with its peers running)."""
-    sizes = (4096, 8192) if device.type == "cuda" else (512,)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best = 0.0
-    for n in sizes:
-        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-        reps = max(2, int(4e12 // (2 * n ** 3))) if device.type == "cuda" else 3
-        a @ b
-        for _ in range(4):
-            sync()
-            start = time.perf_counter()
-            for _ in range(reps):
-                a @ b
-            sync()
-            best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - start))
-        del a, b
-    return best
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """The most memory this rank held: CUDA's allocator peak on a GPU, the process's maximum resident set on a CPU
     (ru_maxrss: KiB on Linux, bytes on macOS)."""
@@ -471,16 +463,27 @@ def write_metrics(metrics, **values) -> None:
 
 
 class Meter:
-    """The log line's figures over the steps since the last line: tokens/s, MFU against the world's matmul peak
-    (the sum of the ranks', measured once at the start) and the largest peak memory of any rank."""
+    """The log line's figures over the steps since the last line: tokens/s, MFU and the largest peak memory of any
+    rank. MFU is against the datasheet's dense peak of every rank's accelerator in the training dtype (hardware.py:
+    the convention published figures use); the matmul rate the ranks measured at the start (their sum) is the
+    second figure, and on a CPU, which has no datasheet row, the only one."""
 
     def __init__(self, args, cfg: GPTConfig, device: torch.device, dtype: torch.dtype):
-        peak = torch.tensor([matmul_peak(device, dtype)], dtype=torch.float64)
-        dist.all_reduce(peak)                                   # the world's ceiling: the sum of the ranks'
-        self.args, self.device, self.peak = args, device, peak.item()
+        measured = torch.tensor([hardware.measured_matmul_peak(device, dtype)], dtype=torch.float64)
+        dist.all_reduce(measured)                               # the world's: the sum of the ranks'
+        self.measured_peak = measured.item()
+        sheet = hardware.datasheet_peak(torch.cuda.get_device_name(device), hardware.matmul_dtype_name(dtype)) \
+            if device.type == "cuda" else None
+        if sheet:
+            self.peak = sheet[0] * dist.get_world_size()
+            self.peak_source = f"{hardware.matmul_dtype_name(dtype)} datasheet peak x {dist.get_world_size()} ({sheet[1]})"
+        else:
+            self.peak = self.measured_peak
+            self.peak_source = f"the matmul rate measured here (no datasheet row for {device.type} devices)"
+        self.args, self.device = args, device
         self.flops_per_token = cfg.flops_per_token(args.seq_len)
         self.tokens_per_step = args.batch * args.seq_len
-        self.tokens_per_s = self.mfu = self.memory_gib = 0.0
+        self.tokens_per_s = self.mfu = self.mfu_measured = self.memory_gib = 0.0
         self.restart()
 
     def restart(self) -> float:
@@ -495,18 +498,20 @@ class Meter:
         elapsed = time.perf_counter() - self.start
         self.tokens_per_s = self.steps * self.tokens_per_step / elapsed
         self.mfu = self.tokens_per_s * self.flops_per_token / self.peak
+        self.mfu_measured = self.tokens_per_s * self.flops_per_token / self.measured_peak
         memory = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         self.memory_gib = memory.item() / 2 ** 30
         left = (self.args.steps - step) * elapsed / self.steps
         log(rank, f"step {step:>6}/{self.args.steps}  loss {loss:.4f}  lr {lr:.2e}  grad_norm {norm:.3f}  tokens/s "
-                  f"{self.tokens_per_s:,.0f}  MFU {100 * self.mfu:.1f}%  peak memory {self.memory_gib:.2f} GiB  "
+                  f"{self.tokens_per_s:,.0f}  MFU {100 * self.mfu:.1f}% ({100 * self.mfu_measured:.1f}% of measured)  peak memory {self.memory_gib:.2f} GiB  "
                   f"time left {left:.0f} s")
         self.restart()
 
     def figures(self) -> dict:
-        return {"tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "matmul_peak_tflops": self.peak / 1e12,
-                "peak_memory_gib": self.memory_gib}
+        return {"tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "mfu_of_measured": self.mfu_measured,
+                "peak_tflops": self.peak / 1e12, "peak_source": self.peak_source,
+                "matmul_peak_tflops": self.measured_peak / 1e12, "peak_memory_gib": self.memory_gib}
 
 
 def resume(trainer: Trainer, args):
@@ -515,7 +520,8 @@ def resume(trainer: Trainer, args):
     layout wrote it; the config saved beside each checkpoint lets `train.py export` rebuild the model."""
     if not args.ckpt_dir:
         return None, None
-    config = {"model": vars(trainer.cfg), "args": {k: v for k, v in vars(args).items()}}
+    config = {"model": dataclasses.asdict(trainer.cfg), "data": data.describe(trainer.data_paths),
+              "args": {k: v for k, v in vars(args).items() if k != "model_config"}}
     checkpointer = ckpt.Checkpointer(args.ckpt_dir, args.keep, args.async_save, config)
     return checkpointer, checkpointer.load_latest(trainer.state)
 
@@ -569,12 +575,15 @@ def train(device: torch.device, args) -> dict:
     cfg = trainer.cfg
     checkpointer, resumed = resume(trainer, args)
     meter = Meter(args, cfg, device, trainer.dtype)
-    log(rank, f"training a {cfg.num_params() / 1e6:.2f}M-parameter GPT ({cfg.n_layers} layers, dim {cfg.dim}) on "
-              f"{world} {device.type} rank{'s' * (world > 1)} as {layout_name(args)}, {args.dtype}"
+    source = f"resumed from {resumed}" if resumed else f"weights of {args.init_from}" if args.init_from else \
+        "initialised"
+    log(rank, f"training a {cfg.num_params() / 1e6:.2f}M-parameter Llama ({cfg.n_layers} layers, dim {cfg.dim}, "
+              f"{cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads, vocabulary {cfg.vocab_size}) on {world} "
+              f"{device.type} rank{'s' * (world > 1)} as {layout_name(args)}, {args.dtype}"
               f"{', compiled' if args.compile else ''}: steps {trainer.state.step + 1} to {args.steps} of "
-              f"{args.batch} x {args.seq_len} tokens"
-              f"{f', resumed from {resumed}' if resumed else ''}; matmul peak here {meter.peak / 1e12:.3g} "
-              f"TFLOP/s in all; a line every {args.log_every} steps with the time left")
+              f"{args.batch} x {args.seq_len} tokens, {source}; MFU against {meter.peak / 1e12:.4g} TFLOP/s, "
+              f"{meter.peak_source}; measured matmul peak {meter.measured_peak / 1e12:.3g} TFLOP/s in all; a line "
+              f"every {args.log_every} steps with the time left")
     metrics = open(args.metrics, "a", buffering=1) if args.metrics and rank == 0 else None
     first_step, eval_loss, stopped = trainer.state.step, None, False
     started = meter.restart()
@@ -619,17 +628,24 @@ def train(device: torch.device, args) -> dict:
 
 
 def export_main(argv: list[str]) -> None:
-    parser = Parser(prog="train.py export", description="One torch.save file of the whole model from a committed "
-                    "checkpoint (any layout), for inference.")
+    parser = Parser(prog="train.py export", description="The whole model from a committed checkpoint (any layout), "
+                    "for inference: one torch.save file (--format pt), or a Hugging Face Llama folder (--format hf: "
+                    "config.json, model.safetensors and the token file's tokenizer.json) that "
+                    "LlamaForCausalLM.from_pretrained, vLLM and evaluation harnesses open.")
     parser.add_argument("--ckpt-dir", required=True, help="a --ckpt-dir of a training run, or one step_N in it")
-    parser.add_argument("--out", required=True, help="the file to write")
+    parser.add_argument("--out", required=True, help="the file (pt) or folder (hf) to write")
+    parser.add_argument("--format", choices=["pt", "hf"], default="pt")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hf: the weights' dtype")
     args = parser.parse_args(argv)
     path = Path(args.ckpt_dir)
     source = path if (path / ".metadata").exists() else ckpt.latest(path)
     if source is None:
         parser.error(f"no committed checkpoint in {path}")
-    ckpt.export(source, args.out)
-    print(f"exported {source} to {args.out}", flush=True)
+    if args.format == "hf":
+        ckpt.export_hf(source, args.out, DTYPES[args.dtype])
+    else:
+        ckpt.export(source, args.out)
+    print(f"exported {source} to {args.out} ({args.format})", flush=True)
 
 
 @record   # a failing rank's traceback goes into torchrun's error file, and its summary names the root cause

@@ -1,0 +1,50 @@
+"""Joining and leaving the process group that torchrun's environment describes: one rank's life, in two functions
+every script, notebook and the recipe share.
+
+    device = init_distributed()         # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT from torchrun
+    run_distributed(train, args)        # init, train(device, args), free everything, destroy the group
+"""
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def uses_gpu() -> bool:
+    """One GPU per local rank, or the CPU for every rank (never a mix). More local ranks than visible GPUs is a
+    mistake, not a reason to fall back to the CPU silently: ValueError, one line."""
+    if not torch.cuda.is_available():
+        return False
+    local_world, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if local_world > gpus:
+        raise ValueError(f"{local_world} ranks on this node but {gpus} visible GPU{'s' * (gpus != 1)}: one GPU per rank "
+                         "(or hide them with CUDA_VISIBLE_DEVICES= to train on the CPU)")
+    return True
+
+
+def init_distributed() -> torch.device:
+    """Join the process group; returns this rank's device. On GPUs: NCCL for CUDA tensors, bound to this rank's GPU
+    (set_device first: object collectives and DCP use the current device; then device_id), and gloo beside it for
+    CPU tensors (a CPU-offloaded gradient norm, a CPU flag, async checkpoint saves). On CPUs: gloo."""
+    if uses_gpu():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def run_distributed(body, *args, **kwargs):
+    """One rank's whole life: join, run body(device, ...), free what it built, leave (also after an error).
+
+    `body` returns plain values (numbers, lists, CPU tensors), so DDP's reducer, FSDP's state and the optimizer die
+    with its frame; gc.collect() reaps what cycles keep, before destroy_process_group(). Skipping this made a gloo
+    job abort at exit now and then ("terminate called without an active exception")."""
+    device = init_distributed()
+    try:
+        return body(device, *args, **kwargs)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

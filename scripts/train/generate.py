@@ -1,0 +1,134 @@
+"""Look at what was trained: a prompt in, text out, from a checkpoint directory, an export or a Hugging Face folder.
+
+    python generate.py --model ckpt --prompt "The with statement"                 # the newest checkpoint of a run
+    python generate.py --model my-llama --prompt "Once" --temperature 0.8 --top-k 50   # export --format hf's folder
+    python generate.py --model model.pt --prompt "def " --max-new-tokens 64           # export --format pt's file
+
+Greedy by default (the most likely token each time), or sampled at --temperature among the --top-k most likely.
+A key/value cache (model.py's KVCache) keeps every block's keys and values, so each new token runs the model on
+itself alone; `--no-cache` runs the whole sequence again per token (the same tokens, slower: a test checks both).
+The text is turned into tokens by the tokenizer the model was trained with: the folder's tokenizer.json, the one
+the checkpoint's token file names, or --tokenizer; bytes when the vocabulary is bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from model import GPT, KVCache
+
+
+class Codec:
+    """Text <-> token ids: a `tokenizers` tokenizer, or UTF-8 bytes."""
+
+    def __init__(self, tokenizer_file: str | Path | None = None):
+        self.tokenizer = None
+        if tokenizer_file:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer else bytes(ids).decode("utf-8", errors="replace")
+
+
+def load(source: str | Path, device="cpu") -> tuple[GPT, str | None, int | None]:
+    """(the model, in eval mode on `device`; the tokenizer file it was trained with or None; the end-of-text id or
+    None) from a Hugging Face folder, an export file or a checkpoint directory (a run's --ckpt-dir or one step_N)."""
+    import checkpoint as ckpt
+
+    source = Path(source)
+    if (source / "config.json").is_file():                          # a Hugging Face folder
+        cfg = ckpt.hf_model_config(source)
+        model = GPT(cfg)
+        ckpt.load_hf(model, source)
+        tokenizer = source / "tokenizer.json"
+        eot = json.loads((source / "config.json").read_text()).get("eos_token_id")
+        return model.to(device).eval(), str(tokenizer) if tokenizer.is_file() else None, eot
+    if source.is_file():                                            # export --format pt
+        return ckpt.load_exported(source, device), None, None
+    step = source if (source / ".metadata").exists() else ckpt.latest(source)
+    if step is None:
+        raise ValueError(f"{source}: not a Hugging Face folder, an export file or a checkpoint directory")
+    cfg, state, config = ckpt.full_model_state(step)
+    model = GPT(cfg)
+    model.load_state_dict(state)
+    trained_on = config.get("data") or {}
+    return model.to(device).eval(), trained_on.get("tokenizer"), trained_on.get("eot_id")
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> int:
+    """The most likely token (temperature 0), or one drawn from softmax(logits / temperature) over the top_k."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.numel():
+        threshold = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1).cpu(), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+             seed: int = 0, use_cache: bool = True, stop_at: int | None = None) -> list[int]:
+    """The ids that follow `prompt`: up to max_new_tokens, ending early at `stop_at` (the end-of-text id)."""
+    total = len(prompt) + max_new_tokens
+    if not prompt or total > model.cfg.max_seq_len:
+        raise ValueError(f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones: between 1 and the "
+                         f"model's max_seq_len {model.cfg.max_seq_len} in all")
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    cache = KVCache(model.cfg, 1, total, device, next(model.parameters()).dtype) if use_cache else None
+    ids = list(prompt)
+    logits = model(torch.tensor([ids], device=device), cache)[0, -1]
+    for _ in range(max_new_tokens):
+        ids.append(next_token(logits, temperature, top_k, generator))
+        if ids[-1] == stop_at or len(ids) == total:
+            break
+        new = ids[-1:] if use_cache else ids                     # with a cache: the new token alone
+        logits = model(torch.tensor([new], device=device), cache)[0, -1]
+    return ids[len(prompt):]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="generate.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")   # one line, status 2
+    parser.add_argument("--model", required=True, help="a checkpoint directory, an export file or a Hugging Face "
+                        "folder")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, help="sample among this many most likely tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", help="a tokenizer.json (default: the one the model was trained with)")
+    parser.add_argument("--no-cache", action="store_true", help="run the whole sequence for every new token")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if not Path(args.model).exists():
+        parser.error(f"--model {args.model}: no such file or directory")
+    if args.temperature < 0 or args.max_new_tokens < 1:
+        parser.error("--temperature must be >= 0 and --max-new-tokens >= 1")
+    try:
+        model, tokenizer, eot = load(args.model, args.device)
+        if args.tokenizer is None and tokenizer is None and model.cfg.vocab_size > 256:
+            raise ValueError(f"the model's vocabulary is {model.cfg.vocab_size} tokens, and no tokenizer is known "
+                             "for it: give --tokenizer")
+        codec = Codec(args.tokenizer or tokenizer)
+        ids = generate(model, codec.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
+                       args.seed, not args.no_cache, eot)
+    except ValueError as e:
+        parser.error(str(e))
+    print(args.prompt + codec.decode([i for i in ids if i != eot]), flush=True)
+    print(f"({len(ids)} tokens)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The pipeline split: this rank's stage of the model, its PipelineStage and a schedule."""
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def _stage_index(pp_mesh: DeviceMesh, chunk: int, chunks: int) -> tuple[int, int]:
+    """(this stage's index, the number of stages): with `chunks` stages per rank, rank r of p holds stages r,
+    r + p, ..., so the interleaved schedule's stages on one rank are not neighbours."""
+    return pp_mesh.get_local_rank() + chunk * pp_mesh.size(), chunks * pp_mesh.size()
+
+
+def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, chunk: int = 0, chunks: int = 1) -> nn.Module:
+    """Keep this rank's stage of the model, before any other parallelism is applied: equal numbers of blocks, the
+    first stage also the embedding, the last the final norm and output. Blocks keep their names, so the stages'
+    state dicts together are the whole model's. For the interleaved schedule, split one copy per `chunk`."""
+    stage, n_stages = _stage_index(pp_mesh, chunk, chunks)
+    names = list(model.layers)
+    if len(names) % n_stages:      # else some blocks would silently belong to no stage
+        raise ValueError(f"{len(names)} layers do not split into {n_stages} equal stages")
+    per = len(names) // n_stages
+    mine = set(names[stage * per:(stage + 1) * per])
+    for name in names:
+        if name not in mine:
+            del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != n_stages - 1:
+        model.norm = model.output = None
+    return model
+
+
+def pipeline_stage(model: nn.Module, pp_mesh: DeviceMesh, device: torch.device, chunk: int = 0, chunks: int = 1):
+    """The PipelineStage of a split, parallelized and materialized model (the stage sends and receives the
+    activations between neighbouring ranks of `pp_mesh`; their shapes are found at the first step)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    stage, n_stages = _stage_index(pp_mesh, chunk, chunks)
+    return PipelineStage(model, stage, n_stages, device, group=pp_mesh.get_group())
+
+
+def pipeline_schedule(stage, name: str, n_microbatches: int, loss_fn):
+    """GPipe (all forwards, then all backwards) or 1F1B (one forward, one backward: fewer activations alive) on a
+    stage; "interleaved" (1F1B over several stages per rank: a smaller bubble) on the list of this rank's stages.
+    Each averages the micro-batches' gradients (scale_grads)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[name]
+    return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
