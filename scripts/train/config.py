@@ -1,6 +1,7 @@
-"""The model's shape, torch-free: `GPTConfig`, named presets from a tiny CPU model to Llama 3 405B, and the mapping to
-and from a Hugging Face Llama's config.json. The planner (plan.py) reads it without importing torch; model.py builds
-the model from it.
+"""What a run is, torch-free: the model's shape (`GPTConfig`, named presets from a tiny CPU model to Llama 3 405B, the
+mapping to and from a Hugging Face Llama's config.json) and the parallel layout (`Layout`: the degrees of the named
+mesh, the one check of what a world size and a model can take, the pipeline's split of the layers). model.py builds
+the model from it, parallelize.py the mesh, and the planner (plan.py) reads it without importing torch.
 """
 from __future__ import annotations
 
@@ -132,3 +133,72 @@ def config_from_hf(config: dict) -> GPTConfig:
                      max_seq_len=config["max_position_embeddings"], ffn_hidden=config["intermediate_size"],
                      norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
                      tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+# ------------------------------------------------------------------------------------------------------ the layout
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")    # the recipe's mesh, slowest first: tp ranks are neighbours
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many ranks along each mesh dimension (the world size is their product), and what the recipe applies at
+    it: FSDP2 where it shards, and for the replicas beside tensor or pipeline parallelism (HSDP with one shard);
+    DDP where it only replicates."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp_shard > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
+
+    @property
+    def ddp(self) -> bool:
+        return self.dp_replicate > 1 and not self.fsdp
+
+    def check(self, world: int | None = None, cfg: GPTConfig | None = None, seq_len: int | None = None) -> None:
+        """ValueError (one line) for a layout this world size or this model cannot take."""
+        bad = [f"{name} {d}" for name, d in vars(self).items() if d < 1]
+        if bad:
+            raise ValueError(f"parallel degrees must be at least 1, got {', '.join(bad)}")
+        if world is not None and self.world != world:
+            raise ValueError(f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp "
+                             f"{self.tp} = {self.world}, but the world size is {world}")
+        if cfg is None:
+            return
+        if cfg.n_heads % self.tp or cfg.n_kv_heads % self.tp:
+            raise ValueError(f"tp {self.tp} must divide the {cfg.n_heads} query and {cfg.n_kv_heads} key/value heads "
+                             "(each rank takes whole heads)")
+        if cfg.vocab_size % self.tp:
+            raise ValueError(f"tp {self.tp} must divide the vocabulary size {cfg.vocab_size} (the output layer is split)")
+        if cfg.n_layers < self.pp:
+            raise ValueError(f"pp {self.pp} stages need at least as many layers, not {cfg.n_layers}")
+        if self.pp > 1 and cfg.tie_embeddings:
+            raise ValueError("a tied output cannot be pipelined: the embedding lives on the first stage, the output on "
+                             "the last")
+        if seq_len is not None and seq_len % self.tp:
+            raise ValueError(f"tp {self.tp} must divide the sequence length {seq_len} (sequence parallel splits it)")
+
+
+def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
+    """The layers pipeline stage `stage` of `n_stages` owns, as torchtitan splits them: the embedding and the output
+    count as one layer each, the n_layers + 2 are shared out evenly and the first stages take one more each when
+    they do not divide (126 layers over 8 stages: the first stage the embedding and 15 layers, the next six 16, the
+    last 15 and the output)."""
+    effective = n_layers + 2
+    per, extra = divmod(effective, n_stages)
+    sizes = [per + (s < extra) for s in range(n_stages)]
+    start = sum(sizes[:stage]) - (stage > 0)            # the embedding's share of the first stage is no layer
+    stop = sum(sizes[:stage + 1]) - 1 - (stage == n_stages - 1)
+    return range(max(0, start), min(n_layers, stop))

@@ -13,41 +13,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-
-
-def check_layout(world: int, dp_replicate: int, dp_shard: int, tp: int, pp: int, cfg=None,
-                 seq_len: int | None = None) -> None:
-    """Raise ValueError (one line) for a layout this world size or this model cannot take."""
-    degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
-    bad = [f"{name} {d}" for name, d in degrees.items() if d < 1]
-    if bad:
-        raise ValueError(f"parallel degrees must be at least 1, got {', '.join(bad)}")
-    product = dp_replicate * dp_shard * tp * pp
-    if product != world:
-        raise ValueError(f"pp {pp} x dp_replicate {dp_replicate} x dp_shard {dp_shard} x tp {tp} = {product}, "
-                         f"but the world size is {world}")
-    if cfg is None:
-        return
-    if cfg.n_heads % tp or cfg.n_kv_heads % tp:
-        raise ValueError(f"tp {tp} must divide the {cfg.n_heads} query and {cfg.n_kv_heads} key/value heads (each rank "
-                         "takes whole heads)")
-    if cfg.vocab_size % tp:
-        raise ValueError(f"tp {tp} must divide the vocabulary size {cfg.vocab_size} (the output layer is split)")
-    if cfg.n_layers % pp:
-        raise ValueError(f"pp {pp} must divide the {cfg.n_layers} layers (equal stages)")
-    if pp > 1 and cfg.tie_embeddings:
-        raise ValueError("a tied output cannot be pipelined: the embedding lives on the first stage, the output on the "
-                         "last")
-    if seq_len is not None and seq_len % tp:
-        raise ValueError(f"tp {tp} must divide the sequence length {seq_len} (sequence parallel splits it)")
-
+from config import MESH_DIMS, Layout
 
 def build_mesh(world: int, dp_replicate: int, dp_shard: int, tp: int, pp: int, device_type: str,
                cfg=None, seq_len: int | None = None) -> DeviceMesh:
     """The named 4-D mesh ("pp", "dp_replicate", "dp_shard", "tp"), tp innermost (its ranks are neighbours: one
     node's fast links), pp outermost. Size-1 dimensions cost nothing and keep every layout one code path."""
-    check_layout(world, dp_replicate, dp_shard, tp, pp, cfg, seq_len)
+    Layout(dp_replicate, dp_shard, tp, pp).check(world, cfg, seq_len)    # ValueError, one line, before any group
     return init_device_mesh(device_type, (pp, dp_replicate, dp_shard, tp), mesh_dim_names=MESH_DIMS)
 
 

@@ -11,15 +11,18 @@ def _stage_index(pp_mesh: DeviceMesh, chunk: int, chunks: int) -> tuple[int, int
 
 
 def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, chunk: int = 0, chunks: int = 1) -> nn.Module:
-    """Keep this rank's stage of the model, before any other parallelism is applied: equal numbers of blocks, the
-    first stage also the embedding, the last the final norm and output. Blocks keep their names, so the stages'
-    state dicts together are the whole model's. For the interleaved schedule, split one copy per `chunk`."""
+    """Keep this rank's stage of the model, before any other parallelism is applied: the first stage the embedding
+    and its share of the blocks, the last its share and the final norm and output (config.stage_layers: the
+    embedding and the output count as a block each, the first stages take the remainder). Blocks keep their names,
+    so the stages' state dicts together are the whole model's. For the interleaved schedule, split one copy per
+    `chunk`."""
+    from config import stage_layers
+
     stage, n_stages = _stage_index(pp_mesh, chunk, chunks)
     names = list(model.layers)
-    if len(names) % n_stages:      # else some blocks would silently belong to no stage
-        raise ValueError(f"{len(names)} layers do not split into {n_stages} equal stages")
-    per = len(names) // n_stages
-    mine = set(names[stage * per:(stage + 1) * per])
+    if len(names) < n_stages:
+        raise ValueError(f"{len(names)} layers do not fill {n_stages} stages")
+    mine = {names[i] for i in stage_layers(len(names), n_stages, stage)}
     for name in names:
         if name not in mine:
             del model.layers[name]

@@ -40,7 +40,7 @@ import data
 import hardware
 import parallelize as par
 from ac import apply_ac, apply_compile
-from config import PRESETS, GPTConfig, preset
+from config import PRESETS, GPTConfig, Layout, preset
 from distributed import run_distributed, uses_gpu
 from model import GPT, cross_entropy
 from pipeline import pipeline_schedule, pipeline_split, pipeline_stage
@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     try:
-        par.check_layout(world, args.dp_replicate, args.dp_shard, args.tp, args.pp, args.model_config, args.seq_len)
+        layout(args).check(world, args.model_config, args.seq_len)
     except ValueError as e:
         parser.error(str(e))
     if args.batch % (dp * args.accum):
@@ -255,15 +255,19 @@ class Built:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
+def layout(args) -> Layout:
+    return Layout(args.dp_replicate, args.dp_shard, args.tp, args.pp)
+
+
 def uses_fsdp(args) -> bool:
     """FSDP2 shards the model when the layout has shards, and also replicates it where DDP cannot (beside tensor
     or pipeline parallelism: FSDP2 over the replicas, with one shard each)."""
-    return args.dp_shard > 1 or (args.dp_replicate > 1 and (args.tp > 1 or args.pp > 1))
+    return layout(args).fsdp
 
 
 def uses_ddp(args) -> bool:
     """DDP replicates the whole model where the layout has replicas and nothing else."""
-    return args.dp_replicate > 1 and not uses_fsdp(args)
+    return layout(args).ddp
 
 
 def layout_name(args) -> str:
