@@ -12,8 +12,8 @@ the cookbook's data/digits.npz (--data names another copy).
 """
 import argparse
 import contextlib
-import gc
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +26,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
+
+try:  # the one init_distributed: scripts/train/distributed.py, on the path already (a kernel) or in train/ here
+    from distributed import run_distributed
+except ModuleNotFoundError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
+    from distributed import run_distributed
 
 # data/ sits beside scripts/ (this file) and beside notebooks/ (a notebook kernel's working directory)
 DIGITS = (Path(__file__).parent if "__file__" in globals() else Path.cwd()).resolve().parent / "data" / "digits.npz"
@@ -58,35 +64,6 @@ class DigitsMLP(nn.Module):
 
     def forward(self, x):
         return self.head(self.body(x))
-
-
-def init_distributed():
-    """Join the group torchrun describes (RANK, WORLD_SIZE, ...); NCCL where every local rank has a GPU of its own,
-    else gloo on CPU. Returns this rank's device."""
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available() and local_world <= torch.cuda.device_count():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # the current device: object collectives and DCP put their tensors there
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
-
-
-def run_distributed(body, *args, **kwargs):
-    """One rank's whole life: join, run body(device, ...), free what it built, leave (also after an error).
-
-    body returns plain values (numbers, lists, CPU tensors), so DDP's reducer and the optimizer die with its
-    frame; gc.collect() reaps what cycles keep, before destroy_process_group(). Skipping this made a gloo job
-    abort at exit now and then ("terminate called without an active exception").
-    """
-    device = init_distributed()
-    try:
-        return body(device, *args, **kwargs)
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def shard_loader(dataset, batch_size, seed=0, **loader_kwargs):

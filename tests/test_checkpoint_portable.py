@@ -51,7 +51,8 @@ def _load_and_predict(folder, flags):
     def body(device):
         trainer = train.Trainer(train.parse_args(flags), device)
         dcp.load({"train": trainer.state}, checkpoint_id=folder)
-        window = data.TokenWindows(data.load_tokens(trainer.data_path, "eval"), trainer.args.seq_len)[0][0]
+        window = data.TokenWindows([data.load_tokens(p, "eval") for p in trainer.data_paths],
+                                   trainer.args.seq_len)[0][0]
         with torch.no_grad():
             logits = trainer.model(window[None].to(device)).cpu()
         if trainer.fsdp:

@@ -112,14 +112,16 @@ def test_gathered_numel_pads_every_parameter_and_splits_root_from_blocks():
 
 
 def test_gathered_numel_reads_the_recipes_layers_as_the_blocks():
-    from model import GPT, GPTConfig
+    from config import GPTConfig
+    from model import GPT
 
     from helpers.measure.fsdp_shards import gathered_numel
 
     with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, max_seq_len=5))
+        model = GPT(GPTConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=5, multiple_of=8))
     root, blocks = gathered_numel(model, 3)
-    # root: tok_embeddings 11x8 (12 rows padded), pos_embeddings 5x8 (6), norm 8 (9), output 11x8 (12)
-    assert root == (12 + 6 + 12) * 8 + 9
-    # each block: wq, wk, wv, wo 8x8 (9 rows), w1 32x8 (33), w2 8x32 (9), two norms 8 (9)
-    assert blocks == 2 * (4 * 9 * 8 + 33 * 8 + 9 * 32 + 2 * 9)
+    # root: tok_embeddings 11x8 (12 rows padded), norm 8 (9), output 11x8 (12); the rotary tables are buffers
+    assert root == (12 + 12) * 8 + 9
+    # each block: wq, wo 8x8 (9 rows); wk, wv 4x8 (one key/value head of 4: 6 rows); w1, w3 24x8 (24: 2/3 of 4 x 8,
+    # rounded up to a multiple of 8); w2 8x24 (9); two norms 8 (9)
+    assert blocks == 2 * (2 * 9 * 8 + 2 * 6 * 8 + 2 * 24 * 8 + 9 * 24 + 2 * 9)

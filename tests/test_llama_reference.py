@@ -32,6 +32,9 @@ def _pair(convert=to_hf, **shape):
     cfg = GPTConfig(**{**SMALL, **shape})
     ours = GPT(cfg)
     ours.init_weights(seed=7)
+    with torch.no_grad():        # sharper attention than at initialisation (a trained model's): where positions matter
+        for name, p in ours.named_parameters():
+            p.mul_(20 if name.endswith(("wq.weight", "wk.weight")) else 1)
     theirs = LlamaForCausalLM(LlamaConfig(**hf_config(cfg))).eval()
     state = dict(convert(name, t, cfg) for name, t in ours.state_dict().items())
     if cfg.tie_embeddings:
@@ -59,7 +62,7 @@ def test_without_the_rotary_reordering_the_logits_differ():
     ours, theirs = _pair(convert=lambda name, t, cfg: (to_hf(name, t, cfg)[0], t), n_kv_heads=2)
     with torch.no_grad():
         gap = (ours(TOKENS) - theirs(TOKENS).logits).abs().max().item()
-    assert gap > 100 * ATOL, gap
+    assert gap > 1e3 * ATOL, gap
 
 
 def test_the_conversion_round_trips_and_the_config_reads_back():

@@ -12,7 +12,7 @@ from helpers.launcher import launch
 from helpers.paths import SCRIPTS
 
 
-def _forward_at_tp(tp, n_heads):
+def _forward_at_tp(tp, n_heads, n_kv_heads):
     """The recipe's GPU-sized GPT (one block) built as train.py builds it at --tp `tp`: logits' global and local
     shapes."""
     import sys
@@ -22,12 +22,14 @@ def _forward_at_tp(tp, n_heads):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     sys.path.insert(0, str(SCRIPTS / "train"))
-    from model import GPT, GPTConfig
-    from parallelize import apply_tp, build_mesh
+    from config import preset
+    from model import GPT
+    from parallelize import build_mesh
+    from tp import apply_tp
     from train import GPU_DEFAULTS
 
-    seq_len = GPU_DEFAULTS["seq_len"]
-    cfg = GPTConfig(dim=GPU_DEFAULTS["dim"], n_layers=1, n_heads=n_heads, max_seq_len=seq_len)
+    cfg = preset(GPU_DEFAULTS["model"], vocab_size=256, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    seq_len = cfg.max_seq_len
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
         mesh = build_mesh(tp, 1, 1, tp, 1, "cpu", cfg, seq_len)
@@ -43,15 +45,17 @@ def _forward_at_tp(tp, n_heads):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp, n_heads", [(2, 12), (4, 12), (8, 16)])
-def test_the_notebooks_tp_lines_split_whole_heads_over_eight_gpus(tp, n_heads):
-    """--tp 2 and 4 with the GPU defaults' 12 heads, --tp 8 with --n-heads 16 (notebook 07's lines)."""
-    shape, local, seq_len, vocab = launch(_forward_at_tp, tp, n_heads, world_size=1, timeout=120)[0]
+@pytest.mark.parametrize("tp, n_heads, n_kv_heads", [(2, 12, 4), (4, 12, 4), (8, 16, 8)])
+def test_the_notebooks_tp_lines_split_whole_heads_over_eight_gpus(tp, n_heads, n_kv_heads):
+    """--tp 2 and 4 with the GPU defaults' 12 query and 4 key/value heads, --tp 8 with --n-heads 16 --n-kv-heads 8
+    (notebook 07's lines)."""
+    shape, local, seq_len, vocab = launch(_forward_at_tp, tp, n_heads, n_kv_heads, world_size=1, timeout=120)[0]
     assert shape == (1, seq_len, vocab) and local == (1, seq_len, vocab // tp), "logits sharded over the vocabulary"
 
 
 def test_heads_that_tp_cannot_split_are_refused_before_anything_starts(monkeypatch, capsys):
-    """The GPU defaults' 12 heads at --tp 8: one line and exit status 2 from train.py's flags, no process group."""
+    """The GPU defaults' 12 query and 4 key/value heads at --tp 8: one line and exit status 2 from train.py's
+    flags, no process group."""
     import sys
 
     sys.path.insert(0, str(SCRIPTS / "train"))
@@ -59,8 +63,8 @@ def test_heads_that_tp_cannot_split_are_refused_before_anything_starts(monkeypat
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(SystemExit) as refused:
-        train.parse_args(["--tp", "8", "--dim", "768", "--n-heads", "12"])
-    assert refused.value.code == 2 and "must divide the 12 attention heads" in capsys.readouterr().err
+        train.parse_args(["--tp", "8", "--model", "small"])
+    assert refused.value.code == 2 and "tp 8 must divide the 12 query and 4 key/value heads" in capsys.readouterr().err
 
 
 def _pipeline_splits(pp, chunks, n_layers):
@@ -74,8 +78,10 @@ def _pipeline_splits(pp, chunks, n_layers):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     sys.path.insert(0, str(SCRIPTS / "train"))
-    from model import GPT, GPTConfig
-    from parallelize import build_mesh, pipeline_split
+    from config import GPTConfig
+    from model import GPT
+    from parallelize import build_mesh
+    from pipeline import pipeline_split
 
     cfg = GPTConfig(vocab_size=64, dim=16, n_layers=n_layers, n_heads=2, max_seq_len=8)
     kept = {}
@@ -98,22 +104,28 @@ def _pipeline_splits(pp, chunks, n_layers):
     return kept
 
 
-def test_a_pipeline_whose_layers_do_not_split_into_equal_stages_is_refused():
-    """8 stages of 4 layers: before, every stage kept 0 blocks and trained without them."""
+def test_a_pipeline_with_more_stages_than_layers_is_refused():
+    """8 stages of 4 layers: before any check, every stage kept 0 blocks and trained without them."""
     refused = launch(_pipeline_splits, 8, 1, 4, world_size=1, timeout=120)[0]
-    assert refused == "4 layers do not split into 8 equal stages"
+    assert refused == "4 layers do not fill 8 stages"
 
 
-@pytest.mark.parametrize("pp, chunks", [(2, 1), (8, 1), (4, 2)])
-def test_the_stages_tile_the_model_under_its_own_names(pp, chunks):
-    """Every parameter in exactly one stage, under the whole model's name; the embeddings on stage 0, the final
-    norm and output on the last; stage s holds the s-th run of consecutive blocks (rank r's chunk c is stage
-    r + c·pp: the interleaved schedule's stages on a rank are not neighbours)."""
-    kept = launch(_pipeline_splits, pp, chunks, 16, world_size=1, timeout=120)[0]
+@pytest.mark.parametrize("pp, chunks, n_layers", [(2, 1, 16), (8, 1, 16), (4, 2, 16), (8, 1, 126)])
+def test_the_stages_tile_the_model_under_its_own_names(pp, chunks, n_layers):
+    """Every parameter in exactly one stage, under the whole model's name; the embedding on stage 0, the final norm
+    and output on the last; stage s holds the s-th run of consecutive blocks (rank r's chunk c is stage r + c·pp:
+    the interleaved schedule's stages on a rank are not neighbours), split as torchtitan splits them: the embedding
+    and the output count as a block each, and the first stages take one more where they do not divide (126 layers
+    over 8 stages: 15, 16 x 6, 15)."""
+    kept = launch(_pipeline_splits, pp, chunks, n_layers, world_size=1, timeout=120)[0]
     whole = kept.pop("whole")
     assert sorted(n for names in kept.values() for n in names) == whole
-    stages, per = pp * chunks, 16 // (pp * chunks)
+    stages = pp * chunks
+    blocks = {rank + chunk * pp: sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
+              for (rank, chunk), names in kept.items()}
+    sizes = [len(blocks[s]) + (s == 0) + (s == stages - 1) for s in range(stages)]     # embedding, output: one each
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True), sizes
+    assert [b for s in range(stages) for b in blocks[s]] == list(range(n_layers)), "consecutive runs, in order"
     for (rank, chunk), names in kept.items():
         s = rank + chunk * pp
-        assert {int(n.split(".")[1]) for n in names if n.startswith("layers.")} == set(range(s * per, (s + 1) * per))
         assert ("tok_embeddings.weight" in names) == (s == 0) and ("output.weight" in names) == (s == stages - 1)

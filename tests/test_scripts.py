@@ -42,13 +42,18 @@ def _scripts() -> list[Path]:
 
 
 def _sibling_imports(name: str) -> list[str]:
-    """The files of scripts/ that script `name` imports (it must be copied with them): a script beside it, or a
-    module of the recipe in train/ (cluster_ddp.py puts train/ on its path for checkpoint.py)."""
-    tree = ast.parse((SCRIPTS / name).read_text())
-    modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    modules |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    return sorted(f"{folder}{m}.py" for m in modules for folder in ("", "train/")
-                  if (SCRIPTS / f"{folder}{m}.py").exists())
+    """The files of scripts/ that script `name` needs beside it (it must be copied with them), followed through what
+    they import in turn: a script beside it, or a module of the recipe in train/ (train_ddp.py puts train/ on its
+    path for distributed.py, cluster_ddp.py for checkpoint.py)."""
+    needed, todo = set(), [name]
+    while todo:
+        tree = ast.parse((SCRIPTS / todo.pop()).read_text())
+        modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        modules |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        found = {f"{folder}{m}.py" for m in modules for folder in ("", "train/") if (SCRIPTS / f"{folder}{m}.py").exists()}
+        todo += sorted(found - needed - {name})
+        needed |= found
+    return sorted(needed - {name})
 
 
 def test_every_script_is_made_of_its_notebooks_cells():

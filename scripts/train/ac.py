@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/ac.py' in
+#   notebooks/05_mixed_precision.ipynb
+# Edit those cells, not this file.
 """Activation checkpointing and torch.compile per block: memory traded for recomputation, and the blocks' own
 code fused into fewer kernels. Applied after tensor parallelism and before FSDP2 (parallelize.py).
 """

@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/config.py' in
+#   notebooks/03_fsdp_and_device_mesh.ipynb
+# Edit those cells, not this file.
 """What a run is, torch-free: the model's shape (`GPTConfig`, named presets from a tiny CPU model to Llama 3 405B, the
 mapping to and from a Hugging Face Llama's config.json) and the parallel layout (`Layout`: the degrees of the named
 mesh, the one check of what a world size and a model can take, the pipeline's split of the layers). model.py builds

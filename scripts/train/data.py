@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/data.py' in
+#   notebooks/06_checkpointing_and_fault_tolerance.ipynb
+# Edit those cells, not this file.
 """Tokens on disk, windows of them, and a loader whose position is part of the checkpoint.
 
     python data.py --text a.txt b.txt --out tokens.bin --train-tokenizer 8192    # or: python train.py prepare ...
@@ -278,7 +281,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out}: {meta['tokens']:,} {kind} tokens ({meta['dtype']}) from {len(texts)} document"
           f"{'s' * (len(texts) != 1)}, the last {meta['tokens'] - meta['eval_start']:,} held out for evaluation",
           file=sys.stderr)
-
 
 if __name__ == "__main__":
     main()

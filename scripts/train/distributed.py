@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/distributed.py' in
+#   notebooks/02_ddp.ipynb
+# Edit those cells, not this file.
 """Joining and leaving the process group that torchrun's environment describes: one rank's life, in two functions
 every script, notebook and the recipe share.
 

@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/generate.py' in
+#   notebooks/06_checkpointing_and_fault_tolerance.ipynb
+# Edit those cells, not this file.
 """Look at what was trained: a prompt in, text out, from a checkpoint directory, an export or a Hugging Face folder.
 
     python generate.py --model ckpt --prompt "The with statement"                 # the newest checkpoint of a run
@@ -45,16 +48,16 @@ def load(source: str | Path, device="cpu") -> tuple[GPT, str | None, int | None]
     import checkpoint as ckpt
 
     source = Path(source)
-    if (source / "config.json").is_file():                          # a Hugging Face folder
+    if source.is_file():                                            # export --format pt
+        return ckpt.load_exported(source, device), None, None
+    step = source if (source / ".metadata").exists() else ckpt.latest(source)   # a step_N (its config.json is ours)
+    if step is None and (source / "config.json").is_file():         # a Hugging Face folder
         cfg = ckpt.hf_model_config(source)
         model = GPT(cfg)
         ckpt.load_hf(model, source)
         tokenizer = source / "tokenizer.json"
         eot = json.loads((source / "config.json").read_text()).get("eos_token_id")
         return model.to(device).eval(), str(tokenizer) if tokenizer.is_file() else None, eot
-    if source.is_file():                                            # export --format pt
-        return ckpt.load_exported(source, device), None, None
-    step = source if (source / ".metadata").exists() else ckpt.latest(source)
     if step is None:
         raise ValueError(f"{source}: not a Hugging Face folder, an export file or a checkpoint directory")
     cfg, state, config = ckpt.full_model_state(step)
@@ -128,7 +131,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     print(args.prompt + codec.decode([i for i in ids if i != eot]), flush=True)
     print(f"({len(ids)} tokens)", file=sys.stderr)
-
 
 if __name__ == "__main__":
     main()

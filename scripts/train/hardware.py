@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/hardware.py' in
+#   notebooks/05_mixed_precision.ipynb
+# Edit those cells, not this file.
 """What a step's FLOPs are measured against: the accelerator's datasheet peak in the training dtype, and the matmul
 rate this device reaches here and now.
 

@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/model.py' in
+#   notebooks/03_fsdp_and_device_mesh.ipynb
+# Edit those cells, not this file.
 """The model every part of the recipe trains: a Llama-architecture decoder (RMSNorm, rotary position embeddings,
 SwiGLU feed-forward, grouped-query attention, an optional tied output, no biases), in torchtitan's module names.
 

@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/parallelize.py' in
+#   notebooks/03_fsdp_and_device_mesh.ipynb
+# Edit those cells, not this file.
 """The named device mesh, and data parallelism as functions applied to the unchanged model of model.py: FSDP2 (and
 HSDP), DDP, and gradient clipping over whatever the mesh shards.
 

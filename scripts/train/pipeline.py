@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/pipeline.py' in
+#   notebooks/08_pipeline_parallel.ipynb
+# Edit those cells, not this file.
 """The pipeline split: this rank's stage of the model, its PipelineStage and a schedule."""
 import torch
 from torch import nn

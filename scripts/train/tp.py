@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/tp.py' in
+#   notebooks/07_tensor_parallel_and_2d.ipynb
+# Edit those cells, not this file.
 """Megatron-style tensor parallelism of the model, with sequence parallel and a parallel loss."""
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh

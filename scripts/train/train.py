@@ -1,3 +1,6 @@
+# Written by `./cookbook export` from the cells tagged 'script:train/train.py' in
+#   notebooks/09_from_notebook_to_cluster.ipynb
+# Edit those cells, not this file.
 """Train the Llama of model.py under torchrun, at any layout of data, tensor and pipeline parallelism.
 
     python train.py prepare --text a.txt --out tokens.bin --train-tokenizer 8192   # a BPE tokenizer and its tokens
@@ -62,9 +65,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> Parser:
-    p = Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="a JSON file of flag values (names as below, with _), overridden by flags")
+def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (default: the preset 'small' on GPUs, 'tiny' on CPUs)")
     g.add_argument("--model", choices=sorted(PRESETS), help="a named shape (config.py's PRESETS); the flags below "
                    "change it")
@@ -80,6 +81,12 @@ def build_parser() -> Parser:
                    f"{VOCAB_MULTIPLE}")
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's max_seq_len, which it "
                    "sets unless --init-from gives one)")
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="a JSON file of flag values (names as below, with _), overridden by flags")
+    add_model_flags(p)
     g = p.add_argument_group("layout: pp x dp_replicate x dp_shard x tp = world size")
     g.add_argument("--dp-replicate", type=int, default=1, help="replicas (DDP; HSDP with --dp-shard > 1)")
     g.add_argument("--dp-shard", type=int, default=-1, help="FSDP2 shards (-1: what the world size leaves)")
