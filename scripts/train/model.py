@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/model.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/model.py' in
 #   notebooks/03_fsdp_and_device_mesh.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """The GPT every part of the recipe trains: a decoder-only transformer on bytes, in torchtitan's module names.
 
 Why it looks like this: parallelism is applied to this unchanged model by the functions in parallelize.py, so the

@@ -1,9 +1,10 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/parallelize.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/parallelize.py' in
 #   notebooks/03_fsdp_and_device_mesh.ipynb
 #   notebooks/05_mixed_precision.ipynb
 #   notebooks/07_tensor_parallel_and_2d.ipynb
 #   notebooks/08_pipeline_parallel.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """Parallelism as functions applied to the unchanged GPT of model.py, in torchtitan's order: tensor parallel,
 activation checkpointing, compile, then data parallel (FSDP2, HSDP or DDP); the pipeline split comes first of all.
 
