@@ -12,7 +12,7 @@ from helpers import data, models
 from helpers.measure import memory
 from helpers.launcher import progress
 from helpers.measure.headline import MIMETYPE, headlines_of
-from helpers.launcher.torchrun import torchrun_lines
+from helpers.cluster.torchrun import torchrun_lines
 
 from helpers.paths import SCRIPTS
 
