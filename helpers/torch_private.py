@@ -57,7 +57,7 @@ PRIVATE = {
         "torch.compiler.config does not hold dynamo's recompile limit"),
     "lookup_backend": PrivateAPI(
         "torch._dynamo", "lookup_backend",
-        "helpers/measure/parallel.py (GraphCounter, a counting backend around a named one)",
+        "helpers/measure/tensor_parallel.py (GraphCounter, a counting backend around a named one)",
         "a custom backend that wraps a named one needs that backend's callable; torch.compile takes a name or a "
         "callable, and torch.compiler.list_backends gives names only"),
 }

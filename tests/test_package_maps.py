@@ -1,5 +1,5 @@
-"""The map at the launcher's door matches the code: every module it names imports, every name it gives exists, and
-no module of the package is missing from it."""
+"""The maps at the packages' doors match the code: every module a map names imports, every name it gives exists, and
+no module of the package is missing from its map."""
 from __future__ import annotations
 
 import importlib
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import helpers.launcher
+import helpers.measure
 
 # `module.name[.name...]` outside backticks (backticks quote a reader's code: `launch(fn, *args)`)
 _REFERENCE = re.compile(r"(?<![\w.])([a-z_]+)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
@@ -33,3 +34,10 @@ def test_every_hop_on_the_launchers_map_exists(module, name):
 
 def test_the_launchers_map_names_every_module_of_the_package():
     assert {module for module, _ in _launcher_map_references()} == _modules(helpers.launcher)
+
+
+def test_the_measuring_modules_are_each_listed_with_their_purpose():
+    listed = re.findall(r"^    ([a-z_]+) {2,}\S", helpers.measure.__doc__, flags=re.MULTILINE)
+    assert sorted(listed) == sorted(_modules(helpers.measure)), "helpers/measure/__init__.py lists every module once"
+    for module in listed:
+        importlib.import_module(f"helpers.measure.{module}")
