@@ -1,5 +1,7 @@
-# Written by `./cookbook export` from notebooks/09_from_notebook_to_cluster.ipynb, cells tagged 'script:cluster_ddp.py'.
-# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 cluster_ddp.py --help
+# From the PyTorch distributed cookbook: notebooks/09_from_notebook_to_cluster.ipynb, the cells tagged 'script:cluster_ddp.py'.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
+# Run: torchrun --standalone --nproc-per-node=2 cluster_ddp.py --help
 """DDP training that runs unchanged on one node, on several, under SLURM or Kubernetes, and survives restarts.
 
 Every global step trains on the same global batch however many ranks share it (rank r takes rows r::world), so the

@@ -1,5 +1,7 @@
-# Written by `./cookbook export` from notebooks/01_process_groups_and_collectives.ipynb, cells tagged 'script:collectives.py'.
-# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 collectives.py --help
+# From the PyTorch distributed cookbook: notebooks/01_process_groups_and_collectives.ipynb, the cells tagged 'script:collectives.py'.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
+# Run: torchrun --standalone --nproc-per-node=2 collectives.py --help
 """Collectives by hand and by torch.distributed: a ring all-reduce built from point-to-point messages, checked
 against dist.all_reduce, and a tour of every collective, checked against its closed form.
 

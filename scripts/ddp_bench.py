@@ -1,5 +1,7 @@
-# Written by `./cookbook export` from notebooks/02_ddp.ipynb, cells tagged 'script:ddp_bench.py'.
-# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 ddp_bench.py --help
+# From the PyTorch distributed cookbook: notebooks/02_ddp.ipynb, the cells tagged 'script:ddp_bench.py'.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
+# Run: torchrun --standalone --nproc-per-node=2 ddp_bench.py --help
 """Timing DDP on the digits, for torchrun: the measuring workers of notebooks 02 and 02b, verbatim.
 
     torchrun --standalone --nproc-per-node=2 ddp_bench.py --caps 1 25 100

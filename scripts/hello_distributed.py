@@ -1,5 +1,7 @@
-# Written by `./cookbook export` from notebooks/00_launching_workers.ipynb, cells tagged 'script:hello_distributed.py'.
-# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 hello_distributed.py --help
+# From the PyTorch distributed cookbook: notebooks/00_launching_workers.ipynb, the cells tagged 'script:hello_distributed.py'.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
+# Run: torchrun --standalone --nproc-per-node=2 hello_distributed.py --help
 """The smallest complete torchrun program: every rank adds its number with all_reduce."""
 import argparse
 import os

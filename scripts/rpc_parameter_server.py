@@ -1,5 +1,7 @@
-# Written by `./cookbook export` from notebooks/04_rpc_parameter_server.ipynb, cells tagged 'script:rpc_parameter_server.py'.
-# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 rpc_parameter_server.py --help
+# From the PyTorch distributed cookbook: notebooks/04_rpc_parameter_server.ipynb, the cells tagged 'script:rpc_parameter_server.py'.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
+# Run: torchrun --standalone --nproc-per-node=2 rpc_parameter_server.py --help
 """A parameter server on torch.distributed.rpc: rank 0 holds the model and the optimizer, ranks 1..T train on
 their shard of the data, synchronously (one averaged step per round) or asynchronously (each gradient applied as
 it arrives, its staleness recorded).

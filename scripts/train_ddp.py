@@ -1,5 +1,7 @@
-# Written by `./cookbook export` from notebooks/02_ddp.ipynb, cells tagged 'script:train_ddp.py'.
-# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 train_ddp.py --help
+# From the PyTorch distributed cookbook: notebooks/02_ddp.ipynb, the cells tagged 'script:train_ddp.py'.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
+# Run: torchrun --standalone --nproc-per-node=2 train_ddp.py --help
 """DDP training of a small MLP on the 8x8 handwritten digits, for torchrun: notebook 02's cells, verbatim.
 
     torchrun --standalone --nproc-per-node=2 train_ddp.py --epochs 10 --accum 2

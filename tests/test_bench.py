@@ -1,5 +1,6 @@
-"""Unit tests of helpers.measure.collectives: the nccl-tests arithmetic, the statistics, the ceilings, and time_collective on real
-ranks (including a collective whose result is wrong, which the closed-form check must catch)."""
+"""Unit tests of helpers.measure.collectives and helpers.measure.ceilings: the nccl-tests arithmetic, the statistics,
+the ceilings, and time_collective on real ranks (including a collective whose result is wrong, which the closed-form
+check must catch)."""
 from __future__ import annotations
 
 
@@ -8,6 +9,8 @@ import torch.distributed as dist
 
 import helpers
 from helpers.measure import collectives as bench
+from helpers.measure.ceilings import (best_ceilings, human_bytes, loopback_tcp_latency, loopback_tcp_rate,
+                                      measure_ceilings, memory_copy_rate, transport_facts)
 from helpers.paths import NOTEBOOKS, SCRIPTS
 
 
@@ -74,16 +77,16 @@ def test_oversubscription_warning():
 def test_best_ceilings_keeps_the_best_of_each():
     first = {"tcp": {"kind": "bandwidth", "rate": 2.0}, "lat": {"kind": "latency", "latency_s": 3e-5}}
     second = {"tcp": {"kind": "bandwidth", "rate": 3.0}, "lat": {"kind": "latency", "latency_s": 5e-5}}
-    best = bench.best_ceilings(first, second)
+    best = best_ceilings(first, second)
     assert best["tcp"]["rate"] == 3.0 and best["lat"]["latency_s"] == 3e-5 and best["tcp"]["of_runs"] == 2
 
 
 def test_ceilings_are_measured():
-    copy = bench.memory_copy_rate(4 << 20, repeats=3)
+    copy = memory_copy_rate(4 << 20, repeats=3)
     assert copy["rate"] > 0 and copy["traffic"] == 2 * copy["rate"] and len(copy["times_s"]) == 3
-    tcp = bench.loopback_tcp_rate(4 << 20, repeats=2, chunk=1 << 20)
+    tcp = loopback_tcp_rate(4 << 20, repeats=2, chunk=1 << 20)
     assert tcp["rate"] > 0 and tcp["size_bytes"] == 4 << 20 and len(tcp["times_s"]) == 2
-    latency = bench.loopback_tcp_latency(repeats=20)
+    latency = loopback_tcp_latency(repeats=20)
     assert 0 < latency["latency_s"] < 0.1 and len(latency["times_s"]) == 20
 
 
@@ -143,22 +146,22 @@ def test_time_collective_works_without_all_gather_single():
 
 
 def test_the_sweep_measures_every_collective_and_the_ceilings():
-    results = helpers.launch(_sweep(), [1 << 10, 1 << 14], 1, 2, bench.measure_ceilings,
+    results = helpers.launch(_sweep(), [1 << 10, 1 << 14], 1, 2, measure_ceilings,
                              world_size=2, timeout=180, quiet=True)
     assert results[0]["records"] == results[1]["records"] and results[1]["ceilings"] == []
     assert [r["collective"] for r in results[0]["records"]] == [c for c in bench.COLLECTIVES for _ in range(2)]
-    ceilings = bench.best_ceilings(*results[0]["ceilings"])  # rank 0's, before and after the sweep
+    ceilings = best_ceilings(*results[0]["ceilings"])  # rank 0's, before and after the sweep
     assert set(ceilings) == {"tcp", "memcpy", "tcp_latency"} and all(c["of_runs"] == 2 for c in ceilings.values())
 
 
 def test_transport_facts_reads_this_machine():
-    facts = bench.transport_facts()
+    facts = transport_facts()
     assert set(facts) == {"tcp_rmem", "rmem_max", "infiniband", "numa_nodes", "numactl", "cores"}
     assert facts["tcp_rmem"] is None or len(facts["tcp_rmem"]) == 3
 
 
 def test_human_bytes():
-    assert [bench.human_bytes(v) for v in (512, 1024, 1536, 1 << 30)] == ["512 B", "1 KiB", "1.5 KiB", "1 GiB"]
+    assert [human_bytes(v) for v in (512, 1024, 1536, 1 << 30)] == ["512 B", "1 KiB", "1.5 KiB", "1 GiB"]
 
 
 def _broken_check_worker():
@@ -267,9 +270,9 @@ def test_one_gpu_report_reads_real_sweep_records():
     from helpers.plots import collectives as plots
 
     sweep = _sweep()
-    alone = helpers.launch(sweep, [1 << 10, 1 << 16], 1, 3, bench.measure_ceilings,
+    alone = helpers.launch(sweep, [1 << 10, 1 << 16], 1, 3, measure_ceilings,
                            world_size=1, timeout=180, quiet=True)[0]
-    alone["ceilings"] = bench.best_ceilings(*alone["ceilings"])
+    alone["ceilings"] = best_ceilings(*alone["ceilings"])
     shared = helpers.launch(sweep, [1 << 10], 1, 3, collectives=("all_reduce",),
                             world_size=2, timeout=180, quiet=True)[0]
     alone["ceilings"]["device_copy"] = alone["ceilings"]["memcpy"]  # what a CPU has in place of HBM

@@ -17,7 +17,6 @@ from helpers.measure import ddp as measure_ddp
 from helpers.measure.ddp import (PayloadCounter, bucket_limits, bucket_plan, greedy_buckets, hook_payload_bytes,
                                  powersgd_values)
 from helpers.measure.trace_overlap import is_gpu_comm, is_gpu_compute, overlap_of_trace
-from helpers.models import DigitsMLP
 from helpers.paths import SCRIPTS
 
 
@@ -31,6 +30,16 @@ def _train_ddp():
     if str(SCRIPTS) not in sys.path:
         sys.path.insert(0, str(SCRIPTS))
     return importlib.import_module("ddp_bench")
+
+
+# Notebook 02's model, as its cells define it (scripts/train_ddp.py): the one DigitsMLP of the cookbook
+DigitsMLP = _train_ddp().DigitsMLP
+
+
+def test_digits_mlp_shapes():
+    m = DigitsMLP(hidden=32, depth=3)
+    assert m(torch.zeros(5, 64)).shape == (5, 10)
+    assert sum(p.numel() for p in m.parameters()) == 64 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 10 + 10
 
 
 @pytest.mark.parametrize("seed", range(6))

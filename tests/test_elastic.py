@@ -14,7 +14,7 @@ import time
 
 import psutil
 
-from helpers.launcher import agents
+from helpers.cluster import agents
 from helpers.launcher.api import free_port
 from helpers.measure import elastic_log
 from helpers.paths import REPO_ROOT

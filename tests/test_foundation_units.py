@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from helpers import data, models
+from helpers import data
 from helpers.measure import memory
 from helpers.launcher import progress
 from helpers.measure.headline import MIMETYPE, headlines_of
-from helpers.launcher.torchrun import torchrun_lines
+from helpers.cluster.torchrun import torchrun_lines
 
 from helpers.paths import SCRIPTS
 
@@ -125,12 +125,6 @@ def test_the_recipes_gpt_starts_near_uniform_loss_on_the_text_data():
     logits = model(x)
     assert logits.shape == (8, 32, tok.vocab_size)
     assert abs(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item() - math.log(tok.vocab_size)) < 0.5
-
-
-def test_digits_mlp_shapes():
-    m = models.DigitsMLP(hidden=32, depth=3)
-    assert m(torch.zeros(5, 64)).shape == (5, 10)
-    assert models.count_parameters(m) == 64 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 10 + 10
 
 
 def test_each_ranks_lines_also_go_to_its_own_panel():

@@ -3,7 +3,7 @@ baselines, a failed configuration left out, the goal judged on the median's inte
 03b's smoke run on a CPU rank.)"""
 from __future__ import annotations
 
-from helpers.measure.fsdp_bench import (COMPILED_BASE, CONFIGS, EAGER_BASE, against_target, base_of, eager_ratios,
+from helpers.measure.fsdp import (COMPILED_BASE, CONFIGS, EAGER_BASE, against_target, base_of, eager_ratios,
                                         with_ratios)
 
 

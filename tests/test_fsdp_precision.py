@@ -5,7 +5,7 @@ import torch
 
 
 def test_saved_bytes_by_dtype_add_up_to_the_total_and_leave_parameters_out():
-    from helpers.measure.fsdp_precision import SavedByDtype
+    from helpers.measure.fsdp import SavedByDtype
 
     layer = torch.nn.Linear(8, 16, bias=False).to(torch.bfloat16)
     x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)

@@ -13,7 +13,7 @@ def _reference_worker(wrong):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from helpers.measure.fsdp_reference import train_beside_reference
+    from helpers.measure.fsdp import train_beside_reference
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from helpers.measure.fsdp_shards import fsdp_state_bytes, padded_numel, padded_rows, padding_numel, shard_numel, shard_rows
+from helpers.measure.fsdp import fsdp_state_bytes, padded_numel, padded_rows, padding_numel, shard_numel, shard_rows
 
 from helpers.paths import SCRIPTS
 
@@ -95,7 +95,7 @@ def test_formula_matches_a_real_fully_shard():
 def test_gathered_numel_pads_every_parameter_and_splits_root_from_blocks():
     from torch import nn
 
-    from helpers.measure.fsdp_shards import gathered_numel
+    from helpers.measure.fsdp import gathered_numel
 
     class Tiny(nn.Module):
         def __init__(self):
@@ -115,7 +115,7 @@ def test_gathered_numel_reads_the_recipes_layers_as_the_blocks():
     from config import GPTConfig
     from model import GPT
 
-    from helpers.measure.fsdp_shards import gathered_numel
+    from helpers.measure.fsdp import gathered_numel
 
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=5, multiple_of=8))

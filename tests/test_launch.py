@@ -20,7 +20,7 @@ from helpers import devices
 from helpers.launcher import api as launch_module
 from helpers.launcher import server as server_module
 from helpers.launcher import ExitHangWarning, LaunchTimeout, WorkerError, launch
-from helpers.launcher.progress import RUN_DIR_VAR
+from helpers.launcher.run_folder import RUN_DIR_VAR
 
 
 def _init():

@@ -12,7 +12,7 @@ import types
 import cloudpickle
 import pytest
 
-from helpers.launcher import WorkerError, launch, payload
+from helpers.launcher import WorkerError, launch, run_folder
 
 CELL = "/tmp/ipykernel_0/cell_not_on_disk.py"
 CELL_SOURCE = ("def outer(x):\n"
@@ -54,9 +54,9 @@ def test_the_simulated_erasing_pickler_does_erase(monkeypatch, cell_function):
 
 
 def test_file_names_of_nested_code_survive_and_sources_travel(code_reducer, cell_function):
-    data = payload.dumps((cell_function, (1,), {}))
+    data = run_folder.pack_payload((cell_function, (1,), {}))
     linecache.cache.pop(CELL)  # a worker has never seen the cell
-    fn, args, kwargs = payload.loads(data)
+    fn, args, kwargs = run_folder.unpack_payload(data)
     assert fn.__code__.co_filename == CELL
     inner = next(c for c in fn.__code__.co_consts if isinstance(c, types.CodeType))
     assert inner.co_name == "inner" and inner.co_filename == CELL

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tools.export import drift
-from helpers.launcher.torchrun import torchrun_path
+from helpers.cluster.torchrun import torchrun_path
 from helpers.paths import REPO_ROOT, SCRIPTS
 
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.

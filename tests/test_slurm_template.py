@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from helpers.launcher.api import free_port
-from helpers.launcher.torchrun import torchrun_path
+from helpers.cluster.torchrun import torchrun_path
 from helpers.paths import REPO_ROOT
 
 SLURM = REPO_ROOT / "slurm"

@@ -78,7 +78,7 @@ def scripts_dir(tmp_path):
     "from helpers.measure import precision\npools = {}\npools[2].run(precision.time_precisions, 3)",
     "from helpers.measure import ddp\nworker = ddp.step_times\nhelpers.launch(worker)",
     "from recipe import run_distributed\nfrom helpers.measure import ddp\nhelpers.launch(run_distributed, ddp.step_cost)",
-    "from helpers.launcher.torchrun import run_torchrun\nrun_torchrun('helpers/measure/bench.py', nproc=2)",
+    "from helpers.cluster.torchrun import run_torchrun\nrun_torchrun('helpers/measure/bench.py', nproc=2)",
     "helpers.launch(some_function_defined_nowhere)",
 ])
 def test_a_launched_helper_function_is_caught(tmp_path, scripts_dir, cell):
@@ -93,7 +93,7 @@ def test_functions_from_the_cells_or_scripts_pass(tmp_path, scripts_dir):
         "helpers.launch(worker, 2)\nhelpers.launch(functools.partial(worker, n=1))\n"
         "helpers.launch(run_distributed, worker, 3)\nhelpers.Workers(2).run(train)\nw = helpers.Workers(2)\n"
         "w.run(fn=worker)\nhelpers.launch(lambda: 1)\nimport subprocess\nsubprocess.run(['ls'])\n"
-        "from helpers.launcher.torchrun import run_torchrun\nrun_torchrun(helpers.paths.SCRIPTS / 'recipe.py')")
+        "from helpers.cluster.torchrun import run_torchrun\nrun_torchrun(helpers.paths.SCRIPTS / 'recipe.py')")
     nb = json.loads(path.read_text())
     launches = launched_functions(code_cells(nb), written_files(nb), scripts_dir=scripts_dir)
     assert {launch.function for launch in launches} >= {"worker", "run_distributed", "train", "lambda: 1"}

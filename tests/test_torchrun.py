@@ -1,4 +1,4 @@
-"""Unit tests of helpers.launcher.torchrun: a real torchrun, its exit status, its output, and the timeout."""
+"""Unit tests of helpers.cluster.torchrun: a real torchrun, its exit status, its output, and the timeout."""
 from __future__ import annotations
 
 import time
@@ -6,7 +6,7 @@ import time
 import psutil
 import pytest
 
-from helpers.launcher.torchrun import run_torchrun, torchrun_path
+from helpers.cluster.torchrun import run_torchrun, torchrun_path
 
 
 def test_torchrun_is_the_one_beside_the_interpreter():
@@ -43,7 +43,7 @@ def test_timeout_stops_everything(tmp_path):
 def test_error_files_reads_what_record_writes(tmp_path):
     import json
 
-    from helpers.launcher.torchrun import error_files
+    from helpers.cluster.torchrun import error_files
 
     for rank, stamp in ((1, "1700000001"), (0, "1700000002")):
         folder = tmp_path / "run_id" / "attempt_0" / str(rank)

@@ -5,7 +5,7 @@ runs are the same on any machine).
 
 What is proved, each from runs made once and shared between the asserts (a module-scoped fixture runs them all,
 a few at a time):
-- every layout (DDP, FSDP2, HSDP, TP, FSDP x TP, pipeline) gives the one-process run's losses, step by step, and
+- every layout (DDP, FSDP2, HSDP, TP, FSDP x TP, pipeline, pipeline x TP) gives the one-process run's losses, step by step, and
   its evaluation loss, within LOSS_RTOL; with the options a layout's run also carries (torch.compile and full
   activation checkpointing with DDP, selective checkpointing and flags from --config with TP, every other block
   checkpointed in the pipeline, async saves with FSDP2), which must not change what is computed;
@@ -196,6 +196,7 @@ def runs4(workspace) -> dict[str, Result]:
         Job("fsdp4", [], 4),
         Job("hsdp", ["--dp-replicate", "2", "--dp-shard", "2"], 4),
         Job("fsdp_tp", ["--tp", "2"], 4),
+        Job("pp_tp", ["--pp", "2", "--tp", "2", "--accum", "2"], 4),
     ])
 
 
@@ -265,7 +266,7 @@ def test_a_layout_of_two_ranks_matches_one_process(runs, layout):
 
 
 @pytest.mark.four_ranks
-@pytest.mark.parametrize("layout", ["fsdp4", "hsdp", "fsdp_tp"])
+@pytest.mark.parametrize("layout", ["fsdp4", "hsdp", "fsdp_tp", "pp_tp"])
 def test_a_layout_of_four_ranks_matches_one_process(runs, runs4, layout):
     _assert_clean(runs4[layout], layout)
     _assert_same_losses(runs4[layout], runs["one"], layout)

@@ -27,11 +27,14 @@ from pathlib import Path
 from helpers.paths import NOTEBOOKS, REPO_ROOT, SCRIPTS
 
 TAG_PREFIX = "script:"
-HEADER = ("# Written by `./cookbook export` from notebooks/{notebook}, cells tagged '{tag}'.\n"
-          "# Edit those cells, not this file. Run: torchrun --standalone --nproc-per-node=2 {name} --help\n")
-MODULE_HEADER = ("# Written by `./cookbook export` from the cells tagged '{tag}' in\n"
+HEADER = ("# From the PyTorch distributed cookbook: notebooks/{notebook}, the cells tagged '{tag}'.\n"
+          "# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.\n"
+          "# Copied into your project, it is yours to edit.\n"
+          "# Run: torchrun --standalone --nproc-per-node=2 {name} --help\n")
+MODULE_HEADER = ("# From the PyTorch distributed cookbook: the cells tagged '{tag}' in\n"
                  "{notebooks}"
-                 "# Edit those cells, not this file.\n")
+                 "# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.\n"
+                 "# Copied into your project, it is yours to edit.\n")
 RECIPE = "train"   # the recipe's folder under scripts/
 FOOTER = '\n\nif __name__ == "__main__":\n    main()\n'
 

@@ -23,7 +23,6 @@ fails with "initialization error" although `torch.cuda.is_initialized()` says Fa
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import sys
 import tempfile
@@ -31,12 +30,13 @@ import uuid
 from dataclasses import dataclass
 
 from helpers import devices
-from helpers.launcher import payload
+from helpers.launcher import run_folder
 from helpers.launcher.output import RankPanels, RankStream
-from helpers.launcher.progress import RUN_DIR_VAR, ProgressDisplay
 from helpers.launcher.rendezvous import loopback_environment
+from helpers.launcher.server import ServerWorker, server_for
 from helpers.launcher.sessions import LAUNCHED_BY_VAR, stop_sessions
-from helpers.launcher.supervise import RankSlot, Supervision
+from helpers.launcher.spawn import SpawnedWorker
+from helpers.launcher.supervise import RankProcess, RankSlot, Supervision
 
 DEFAULT_TIMEOUT = 300.0
 # Seconds a rank that has written its result (or error) gets to exit. Past that it is stuck freeing what its
@@ -148,7 +148,7 @@ def launch(fn, *args, world_size: int | None = None, timeout: float = DEFAULT_TI
         with tempfile.TemporaryDirectory(prefix="cookbook-launch-") as run_dir:
             supervision = launch_plan.start(run_dir, fn, args, kwargs, out_stream, err_stream)
             try:
-                return supervision.run()
+                return supervision.watch(launch_plan.timeout).values()
             finally:
                 supervision.finish()
     finally:
@@ -162,7 +162,7 @@ class LaunchPlan:
     """A start of ranks, decided before anything starts: what `launch` and `Workers` both begin from.
 
     `make` validates the options and fixes the environments (the kernel's as of now, torchrun's, a fresh port and
-    run id); `start` writes the launch into a folder, starts the ranks and hands back their `Supervision`.
+    run id); `start` writes the launch into its run folder, starts the ranks and hands back their `Supervision`.
     """
     world_size: int
     method: str  # 'forkserver' or 'spawn'
@@ -191,10 +191,10 @@ class LaunchPlan:
         supervision; if the start fails, whatever started is stopped and the error raised.
 
         command_fds: rank -> the read end of its command pipe (persistent ranks); handed over, then closed here."""
-        worker_env = {**self.worker_env, RUN_DIR_VAR: run_dir}
-        _write_launch(run_dir, fn, args, kwargs, worker_env, self.threads, self.rendezvous)
-        supervision = Supervision(run_dir, [], self.timeout, self.failure_grace, self.exit_grace,
-                                  ProgressDisplay(self.world_size))
+        worker_env = {**self.worker_env, run_folder.RUN_DIR_VAR: run_dir}
+        run_folder.write_launch(run_dir, fn, args, kwargs, worker_env, self.threads,
+                                loopback_store=self.rendezvous == "file")
+        supervision = Supervision(run_dir, [], self.failure_grace, self.exit_grace)
         try:
             _start(supervision, self.method, self.world_size, self.user_env, worker_env, out_stream, err_stream,
                    command_fds)
@@ -216,26 +216,14 @@ def plan(world_size: int, backend: str | None, start_method: str | None, env: di
     return method, user_env, worker_env, threads
 
 
-def _write_launch(run_dir: str, fn, args, kwargs, worker_env: dict, threads: int, rendezvous: str) -> None:
-    """The launch's folder holds what every worker reads after it starts: the payload and the kernel's state."""
-    payload.dump((fn, args, kwargs), os.path.join(run_dir, "payload.pkl"))
-    spec = {"env": worker_env, "cwd": os.getcwd(), "sys_path": list(sys.path), "threads": threads,
-            "loopback_store": rendezvous == "file"}
-    with open(os.path.join(run_dir, "spec.pkl"), "wb") as f:
-        pickle.dump(spec, f)
-
-
 def _start(supervision: Supervision, method: str, world_size: int, user_env: dict, worker_env: dict,
            out_stream, err_stream, command_fds: dict[int, int] | None = None) -> None:
     """Start the workers into `supervision.slots`; a failure half-way stops those already started.
 
     command_fds: rank -> the read end of its command pipe (persistent workers); handed over, then closed here."""
-    from helpers.launcher.server import ServerWorker, server_for
-    from helpers.launcher.spawn import SpawnedWorker
-
     pipes = {rank: [os.pipe() for _ in range(3)] for rank in range(world_size)}  # stdout, stderr, progress
     theirs = {rank: [w for _, w in p] + ([command_fds[rank]] if command_fds else []) for rank, p in pipes.items()}
-    workers: dict = {}
+    workers: dict[int, RankProcess] = {}
     try:
         if method == "forkserver":
             server = server_for(user_env)

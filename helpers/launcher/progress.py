@@ -14,7 +14,6 @@ import os
 import sys
 import time
 
-RUN_DIR_VAR = "COOKBOOK_RUN_DIR"  # the launch's private folder, in every worker's environment
 PROGRESS_FD_VAR = "COOKBOOK_PROGRESS_FD"
 
 
@@ -68,18 +67,33 @@ def in_notebook() -> bool:
 
 
 class ProgressDisplay:
-    """Renders per-rank bars in a notebook (one display, updated in place) or a throttled line elsewhere."""
+    """Per-rank bars in a notebook (one display, updated in place) or a throttled line elsewhere: the latest state
+    each rank reported, drawn at most every `min_interval` seconds (a state that arrives sooner is drawn at
+    `redraw_at`, which the supervisor wakes for)."""
 
     def __init__(self, world_size: int, min_interval: float = 0.5):
         self.world_size = world_size
         self.min_interval = min_interval
+        self.states: dict[int, dict] = {}
+        self.redraw_at: float | None = None  # a state arrived too soon after the last drawing: draw it then
         self._handle = None
         self._last = 0.0
         self._last_states: dict[int, dict] = {}
 
-    def update(self, states: dict[int, dict], force: bool = False) -> bool:
-        """Draw `states` unless nothing changed or the last drawing is younger than min_interval (then False:
-        the caller draws again at `next_draw_at`)."""
+    def update(self, rank: int, state: dict) -> None:
+        """Rank `rank` is at `state`: drawn now, or at `redraw_at` if the last drawing is too recent."""
+        self.states[rank] = state
+        if not self.draw():
+            self.redraw_at = self._last + self.min_interval
+
+    def redraw_if_due(self, now: float) -> None:
+        if self.redraw_at is not None and now >= self.redraw_at:
+            self.redraw_at = None
+            self.draw(force=True)
+
+    def draw(self, force: bool = False) -> bool:
+        """Draw the states unless nothing changed or the last drawing is younger than min_interval (then False)."""
+        states = self.states
         if not states or (states == self._last_states and not force):
             return True
         now = time.monotonic()
@@ -97,10 +111,6 @@ class ProgressDisplay:
             print("progress: " + " | ".join(self._text(r, s) for r, s in sorted(states.items())),
                   file=sys.stderr, flush=True)
         return True
-
-    @property
-    def next_draw_at(self) -> float:
-        return self._last + self.min_interval
 
     @staticmethod
     def _text(rank: int, s: dict) -> str:

@@ -3,7 +3,7 @@
 Why: `init_process_group()` with the default env:// method makes rank 0 start a TCPStore, and PyTorch's TCPStore
 listens on every interface (`*:PORT`) even when MASTER_ADDR is 127.0.0.1. On a shared or rented machine that is
 an open port for the life of the job. For a launch whose ranks all live on this host we instead answer env://
-with a FileStore in the launch's private temporary folder, and pin gloo, NCCL's bootstrap and TensorPipe to the
+with a FileStore in the launch's run folder (`run_folder`), and pin gloo, NCCL's bootstrap and TensorPipe to the
 loopback interface. The worker code does not change: it still calls `dist.init_process_group()`, reads RANK and
 WORLD_SIZE, and would run under torchrun, where this module is not installed and env:// means TCPStore again.
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 import itertools
 import os
 from urllib.parse import urlparse
+
+from helpers.launcher import run_folder
 
 STORE_DIR_VAR = "COOKBOOK_STORE_DIR"
 _calls = itertools.count()
@@ -52,8 +54,7 @@ def _file_env_handler(url: str, timeout=None, **kwargs):
     query = _query(url)
     rank = int(query.get("rank", os.environ["RANK"]))
     world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
-    path = os.path.join(os.environ[STORE_DIR_VAR], f"store.{next(_calls)}")
-    store = dist.FileStore(path, world_size)
+    store = dist.FileStore(run_folder.store_file(os.environ[STORE_DIR_VAR], next(_calls)), world_size)
     if timeout is not None:
         store.set_timeout(timeout)
     yield store, rank, world_size

@@ -18,7 +18,7 @@ changed, a variable torch reads at import changed) replaced, not reused. multipr
 of these through public API. The protocol is pickled dicts over an AF_UNIX SOCK_SEQPACKET pair (message
 boundaries kept, file descriptors attached to a message).
 
-The server never unpickles a payload: a worker reads its function and arguments from the launch's folder after
+The server never unpickles a payload: a worker reads its function and arguments from the run folder after
 the fork, so nothing a notebook defines is ever imported into the server.
 
 Lifetime: started at the first launch (or `start_server()`), it lives as long as the kernel. When the kernel dies
@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from helpers.launcher import sessions
+from helpers.launcher.worker import run_worker
 
 # Imported once in the server, so a forked worker finds them already loaded. Importing runs no torch op and
 # starts no thread (checked by a test that reads /proc/<server pid>/task).
@@ -56,7 +57,8 @@ SERVER_ONLY_ENV = {"OPENBLAS_NUM_THREADS": "1"}
 IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "KMP_", "GOMP_", "MKL_", "LD_PRELOAD", "LD_LIBRARY_PATH")
 READ_LATER = ("TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_", "TORCH_FR_", "TORCHELASTIC_", "OMP_NUM_THREADS")
 # The launcher's modules a forked worker runs from the server's memory: one changed on disk, server replaced.
-WORKER_MODULES = ("server.py", "worker.py", "payload.py", "outcome.py", "sessions.py", "progress.py")
+WORKER_MODULES = ("server.py", "worker.py", "run_folder.py", "errors.py", "rendezvous.py", "sessions.py",
+                  "progress.py")
 READY_TIMEOUT_S = 300.0  # importing torch on a loaded 2-core machine can take a while
 MESSAGE_BYTES = 1 << 20
 
@@ -395,8 +397,6 @@ def _fork_worker(request: dict, fds: list[int], sock: socket.socket, wake: tuple
         os.dup2(err, 2)
         os.close(out)
         os.close(err)
-        from helpers.launcher.worker import run_worker
-
         run_worker(request["run_dir"], request["rank"], parent_pid=server_pid, progress_fd=progress,
                    command_fd=command[0] if command else None)
     finally:

@@ -3,7 +3,7 @@
 Why keep it: it needs no server, and it is what macOS and Windows get by default (no fork-server there: fork is
 unsafe on macOS once system frameworks have started threads). Its cost is `import torch` in every worker on every
 launch (seconds; `./cookbook bench` prints both on this machine). The worker reads its function, arguments and
-the kernel's state from the launch's folder exactly as a forked one does (`worker.run_worker`).
+the kernel's state from the run folder exactly as a forked one does (`worker.run_worker`).
 """
 from __future__ import annotations
 

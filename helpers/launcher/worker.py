@@ -1,28 +1,29 @@
 """The first code a worker process runs: make it look like a torchrun worker, run the cell's function, report.
 
 A worker starts as a fork of the launcher's server (or as a spawned interpreter), never of the kernel. It takes
-on the kernel's state *at launch time* (environment, current directory, sys.path, read from the launch's folder),
+on the kernel's state *at launch time* (environment, current directory, sys.path, read from the run folder),
 a fresh process's random state, and `threads` intra-op threads. It gets its own session (one signal stops it and
 everything it started), line-buffered stdout and stderr on the launcher's pipes (each line reaches the cell at
 once), a faulthandler that dumps its Python stack on SIGUSR1 (how a timeout shows where each rank was stuck), and
-it reports its return value or its exception through a file in the launch's folder (`outcome`), then says so on
-its progress pipe. Its function and arguments are unpickled (`payload`: by value, with their file names and
-source lines) here, after the fork, never in the server. It is a child subreaper, and ends everything it started
-before it exits (`sessions`).
+it reports its return value or its exception through a file in the run folder (`run_folder`), then says so on
+its progress pipe. Its function and arguments are unpickled (by value, with their file names and source lines)
+here, after the fork, never in the server. It is a child subreaper, and ends everything it started before it
+exits (`sessions`).
 
-The function's local variables outlive its return until the result is written (`outcome.call_keeping_locals`
-says why); the launcher then stops a rank that does not exit (see `api.EXIT_GRACE_S`).
+The function's local variables outlive its return until the result is written (`call_keeping_locals` says why);
+the launcher then stops a rank that does not exit (see `api.EXIT_GRACE_S`). `launch`'s ranks (`run_worker`) and
+`Workers`' ranks (`workers.serve_calls`, once per call) both call and report through `call_and_write`.
 """
 from __future__ import annotations
 
 import faulthandler
+import gc
 import io
 import os
-import pickle
 import signal
 import sys
 
-from helpers.launcher import outcome, payload, sessions
+from helpers.launcher import rendezvous, run_folder, sessions
 from helpers.launcher.progress import PROGRESS_FD_VAR, report_outcome
 
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
@@ -80,6 +81,44 @@ def _publish_in_main(fn) -> None:
             main.setdefault(name, value)
 
 
+def call_keeping_locals(fn, args, kwargs, kept: list):
+    """`fn(*args, **kwargs)`, with fn's frame appended to `kept`: its locals stay alive until `kept` is cleared.
+
+    Why: freeing a function's locals is where a finished rank can deadlock (a gloo process group whose last
+    reference a DDP reducer drops, with the GIL held, while a gloo worker thread waits for the GIL to release a
+    tensor); a result written first cannot be lost to such a hang.
+
+    A profile hook catches only the first Python call (fn's own frame) and removes itself, so fn runs at full
+    speed. A frame object that is still referenced when its function returns keeps the locals (CPython copies them
+    into the frame object). The cyclic garbage collector is off from fn's return on, so no garbage fn left behind
+    is freed either: nothing fn made runs a destructor before the caller has written the result (the caller
+    clears `kept` and turns the collector back on).
+    """
+    previous = sys.getprofile()
+
+    def keep_first_frame(frame, event, arg):
+        if event == "call":
+            kept.append(frame)
+            sys.setprofile(previous)
+
+    sys.setprofile(keep_first_frame)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        gc.disable()
+        sys.setprofile(previous)  # a builtin fn makes no Python call: the hook must not outlive it
+
+
+def call_and_write(fn, args, kwargs, directory: str, rank: int, kept: list) -> str:
+    """Run fn (its locals kept in `kept`), write its result or its exception to `directory`; returns 'result' or
+    'error'. Every exception is the rank's failure, SystemExit and KeyboardInterrupt included."""
+    try:
+        result = call_keeping_locals(fn, args, kwargs, kept)
+    except BaseException as exc:  # noqa: BLE001
+        return run_folder.write_error(directory, rank, exc)
+    return run_folder.write_result(directory, rank, result)
+
+
 def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, command_fd: int | None = None) -> None:
     """Entry point of every worker (forked by the server, or spawned). Never returns: ends with os._exit."""
     try:
@@ -95,10 +134,9 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
         _line_buffered_std_streams()
         faulthandler.enable(file=sys.stderr, all_threads=True)
         if STACK_SIGNAL is not None:
-            stack_file = open(outcome.path(run_dir, "stack", rank), "w")
+            stack_file = open(run_folder.rank_file(run_dir, "stack", rank), "w")
             faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True, chain=False)
-        with open(os.path.join(run_dir, "spec.pkl"), "rb") as f:
-            spec = pickle.load(f)
+        spec = run_folder.read_spec(run_dir)
         # the kernel's state at launch time, as a fork of the kernel would have seen it
         os.environ.clear()
         os.environ.update(spec["env"])
@@ -117,21 +155,19 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
             if dist.is_available():  # read when torch was imported in the server: re-read the launch's value
                 dist.set_debug_level_from_env()
         if spec["loopback_store"]:
-            from helpers.launcher import rendezvous
-
             if not rendezvous.install(run_dir):
                 print("helpers.launch: torch's rendezvous registry changed; env:// uses TCPStore "
                       "(listening on all interfaces)", file=sys.stderr)
-        fn, args, kwargs = payload.load(os.path.join(run_dir, "payload.pkl"))
+        fn, args, kwargs = run_folder.read_launch(run_dir)
         _publish_in_main(fn)
     except BaseException as exc:  # noqa: BLE001 - a broken start must still be reported
-        report_outcome(outcome.write_error(run_dir, rank, exc))
+        report_outcome(run_folder.write_error(run_dir, rank, exc))
         _exit(1)
 
     kept: list = []
     reported = "error"
     try:
-        reported = outcome.call_and_write(fn, args, kwargs, run_dir, rank, kept)
+        reported = call_and_write(fn, args, kwargs, run_dir, rank, kept)
         report_outcome(reported)
     finally:
         kept.clear()  # fn's objects are freed now, as at the end of a torchrun script: files flush, temp dirs go

@@ -32,12 +32,12 @@ import tempfile
 
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from helpers.launcher import outcome, payload
+from helpers.launcher import rendezvous, run_folder
 from helpers.launcher.api import DEFAULT_TIMEOUT, LaunchPlan, default_world_size, require_callable
 from helpers.launcher.errors import WorkerError
 from helpers.launcher.progress import report_call_done
 from helpers.launcher.supervise import Supervision
-from helpers.launcher.worker import COMMAND_FD_VAR
+from helpers.launcher.worker import COMMAND_FD_VAR, call_and_write
 
 INTERRUPT_GRACE_S = 5.0  # how long ranks get to answer a cell interrupt before they are stopped
 CLOSE_GRACE_S = 5.0  # how long ranks get to return once their command pipe is closed
@@ -145,21 +145,19 @@ class Workers:
             raise WorkersStopped(f"these workers were stopped ({self.stopped_because}); call .restart() or create "
                                  "new Workers")
         call = next(self._calls)
-        call_dir = os.path.join(supervision.run_dir, f"call.{call}")
-        os.mkdir(call_dir)
         if request[0] == "source":
             name = f"<distributed cell {call}>"
             linecache.cache[name] = (len(request[1]), None, request[1].splitlines(True), name)
             request = ("source", request[1], name)
-        payload.dump(request, os.path.join(call_dir, "call.pkl"))
-        supervision.begin_call(call, call_dir, timeout or self.timeout, sys.stdout, sys.stderr)
+        call_dir = run_folder.write_call(supervision.run_dir, call, request)
+        supervision.begin_call(sys.stdout, sys.stderr)
         message = pickle.dumps({"call": call, "dir": call_dir})
         for fd in self._commands.values():
             os.write(fd, _HEADER.pack(len(message)) + message)
         try:
-            return supervision.run()
+            return supervision.watch(timeout or self.timeout, call_dir, call).values()
         except KeyboardInterrupt:
-            self._interrupt(supervision)
+            self._interrupt(supervision, call_dir, call)
             raise
         except WorkerError:
             self._stop_if_broken(supervision, "a rank died or hung after another failed")
@@ -170,13 +168,10 @@ class Workers:
         finally:
             supervision.pump_all()
 
-    def _interrupt(self, supervision: Supervision) -> None:
+    def _interrupt(self, supervision: Supervision, call_dir: str, call: int) -> None:
         """Pass a cell interrupt on to the ranks (KeyboardInterrupt in their call); stop them if they don't end."""
         supervision.signal_ranks(signal.SIGINT)
-        try:
-            supervision.run(timeout=INTERRUPT_GRACE_S)
-        except (WorkerError, TimeoutError):
-            pass
+        supervision.watch(INTERRUPT_GRACE_S, call_dir, call)  # what they report is not this cell's any more
         self._stop_if_broken(supervision, "a cell interrupt the ranks did not answer")
 
     def _stop_if_broken(self, supervision: Supervision, why: str) -> None:
@@ -212,8 +207,6 @@ def serve_calls() -> None:
     import gc
     import types
 
-    from helpers.launcher import rendezvous
-
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a cell interrupt ends the call, not the rank
     fd, rank = int(os.environ[COMMAND_FD_VAR]), int(os.environ["RANK"])
     namespace: dict = {"__name__": "__rank__", "__builtins__": builtins}
@@ -228,7 +221,7 @@ def serve_calls() -> None:
         before = dict(namespace)  # taken again once the kernel's globals are in: what changes after is the rank's
         kept: list = []
         try:
-            request = payload.load(os.path.join(call_dir, "call.pkl"))
+            request = run_folder.read_call(call_dir)
             if request[0] == "function":
                 _, fn, args, kwargs = request
                 if isinstance(fn, types.FunctionType):
@@ -242,9 +235,9 @@ def serve_calls() -> None:
                 linecache.cache[name] = (len(source), None, source.splitlines(True), name)
                 fn, args, kwargs = _run_source, (source, name, namespace), {}
         except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the rank stays
-            reported = outcome.write_error(call_dir, rank, exc)
+            reported = run_folder.write_error(call_dir, rank, exc)
         else:
-            reported = outcome.call_and_write(fn, args, kwargs, call_dir, rank, kept)
+            reported = call_and_write(fn, args, kwargs, call_dir, rank, kept)
         finally:
             kept.clear()
             gc.enable()  # call_keeping_locals turns it off until the result is written

@@ -90,7 +90,7 @@ NOTABLE = r"new nodes|Worker group FAILED|by peer|^summary:|Done waiting"
 
 
 def agents_report(nodes, notable: str = NOTABLE) -> str:
-    """What each agent (`helpers.launcher.agents.Agent`) logged that tells the story of an elastic run: every
+    """What each agent (`helpers.cluster.agents.Agent`) logged that tells the story of an elastic run: every
     completed rendezvous (needs LOGLEVEL=INFO), then its lines matching `notable`, without torchrun's log prefix."""
     lines = []
     for node in nodes:

@@ -46,7 +46,7 @@ def split_norm_weight_reductions(calls: list[tuple], dim: int, tp: int) -> tuple
 
 
 def sweep_ceilings(records: list[dict], ceilings: dict | None) -> dict:
-    """From a collective sweep's result (records of `collectives.time_collective`, the ceilings of `collectives.measure_ceilings`): bus bandwidth (median busbw of the largest size, all-gather and
+    """From a collective sweep's result (records of `collectives.time_collective`, the ceilings of `ceilings.measure_ceilings`): bus bandwidth (median busbw of the largest size, all-gather and
     reduce-scatter and all-reduce together), latency (median time of the smallest all-reduce) and the memory copy
     rate of the host (its ceiling record), as plain numbers."""
     largest = max(r["size_bytes"] for r in records)

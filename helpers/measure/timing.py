@@ -3,8 +3,8 @@
 Why a module: a wall-clock time means something only when the device is idle at both ends (else it times a
 kernel launch), when every rank starts together (else one rank's late arrival is charged to another's
 communication), and when it is summarised by a median and quartiles, which a noisy neighbour on a shared machine
-barely moves. `bench`, `ddp_measure`, `amp_bench` and the notebooks all use these. torch is imported lazily:
-`summarize` is pure arithmetic the kernel may call.
+barely moves. `collectives`, `ceilings`, `tensor_parallel`, the training plots and the notebooks all use these.
+torch is imported lazily: `summarize` is pure arithmetic the kernel may call.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ GPU's copy rate and the fixed cost of a call. Each function takes measured resul
 """
 from __future__ import annotations
 
-from helpers.measure.collectives import COLLECTIVES, GB, IN_PLACE, busbw_factor, human_bytes
+from helpers.measure.ceilings import GB, human_bytes
+from helpers.measure.collectives import COLLECTIVES, IN_PLACE, busbw_factor
 from helpers.plots import new_figure
 
 

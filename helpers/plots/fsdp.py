@@ -167,8 +167,8 @@ def memory_table(ranks: list[dict], strategies: list[str], psi: int, padding: in
 
 def step_time_table(bench: dict) -> str:
     """Milliseconds per step, median [min, max], and each configuration's step over its baselines', median [min,
-    max] of the round-by-round ratios (notebook 03b's `bf16_step_times` result, `fsdp_bench.with_ratios`); a failed
-    configuration as its text."""
+    max] of the round-by-round ratios (notebook 03b's `bf16_step_times` result, `helpers.measure.fsdp.with_ratios`);
+    a failed configuration as its text."""
     median = lambda xs: sorted(xs)[len(xs) // 2]
     lines = [f"  {'configuration':<40} {'ms per step':>24}   step / baseline's step"]
     for label, seconds in bench["seconds"].items():

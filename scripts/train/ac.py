@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/ac.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/ac.py' in
 #   notebooks/05_mixed_precision.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """Activation checkpointing and torch.compile per block: memory traded for recomputation, and the blocks' own
 code fused into fewer kernels. Applied after tensor parallelism and before FSDP2 (parallelize.py).
 """

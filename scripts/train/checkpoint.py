@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/checkpoint.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/checkpoint.py' in
 #   notebooks/06_checkpointing_and_fault_tolerance.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """Distributed checkpoints (torch.distributed.checkpoint) with one commit protocol, and the export for inference.
 
 What a checkpoint holds: the model and optimizer (through get_state_dict: every rank writes its own pieces, named

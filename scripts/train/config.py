@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/config.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/config.py' in
 #   notebooks/03_fsdp_and_device_mesh.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """What a run is, torch-free: the model's shape (`GPTConfig`, named presets from a tiny CPU model to Llama 3 405B, the
 mapping to and from a Hugging Face Llama's config.json) and the parallel layout (`Layout`: the degrees of the named
 mesh, the one check of what a world size and a model can take, the pipeline's split of the layers). model.py builds

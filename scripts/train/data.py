@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/data.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/data.py' in
 #   notebooks/06_checkpointing_and_fault_tolerance.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """Tokens on disk, windows of them, and a loader whose position is part of the checkpoint.
 
     python data.py --text a.txt b.txt --out tokens.bin --train-tokenizer 8192    # or: python train.py prepare ...

@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/distributed.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/distributed.py' in
 #   notebooks/02_ddp.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """Joining and leaving the process group that torchrun's environment describes: one rank's life, in two functions
 every script, notebook and the recipe share.
 

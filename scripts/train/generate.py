@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/generate.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/generate.py' in
 #   notebooks/06_checkpointing_and_fault_tolerance.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """Look at what was trained: a prompt in, text out, from a checkpoint directory, an export or a Hugging Face folder.
 
     python generate.py --model ckpt --prompt "The with statement"                 # the newest checkpoint of a run

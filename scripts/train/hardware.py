@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/hardware.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/hardware.py' in
 #   notebooks/05_mixed_precision.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """What a step's FLOPs are measured against: the accelerator's datasheet peak in the training dtype, and the matmul
 rate this device reaches here and now.
 

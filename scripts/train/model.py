@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/model.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/model.py' in
 #   notebooks/03_fsdp_and_device_mesh.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """The model every part of the recipe trains: a Llama-architecture decoder (RMSNorm, rotary position embeddings,
 SwiGLU feed-forward, grouped-query attention, an optional tied output, no biases), in torchtitan's module names.
 
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # -1 heads: all of them in one process, this rank's whole heads under tensor parallelism
         q, k, v = (w(x).view(b, t, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos[:t], sin[:t]), apply_rotary(k, cos[:t], sin[:t])     # the angles of these positions
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))    # (batch, heads, seq, head_dim)
         past = 0
         if cache is not None:                               # generation: the earlier tokens' keys and values
@@ -145,7 +146,9 @@ class GPT(nn.Module):
         start = 0 if cache is None else cache.length
         if start + tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"{start + tokens.shape[1]} positions exceed max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[start:start + tokens.shape[1]], self.rope_sin[start:start + tokens.shape[1]]
+        # from this position on: a later pipeline stage under sequence parallelism holds a piece of the sequence,
+        # and its attention cuts the angles to the whole length once it has gathered it
+        cos, sin = self.rope_cos[start:], self.rope_sin[start:]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for name, block in self.layers.items():
             h = block(h, cos, sin, None if cache is None else cache.layer(int(name)))

@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/parallelize.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/parallelize.py' in
 #   notebooks/03_fsdp_and_device_mesh.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """The named device mesh, and data parallelism as functions applied to the unchanged model of model.py: FSDP2 (and
 HSDP), DDP, and gradient clipping over whatever the mesh shards.
 

@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/pipeline.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/pipeline.py' in
 #   notebooks/08_pipeline_parallel.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """The pipeline split: this rank's stage of the model, its PipelineStage and a schedule."""
 import torch
 from torch import nn

@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/plan.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/plan.py' in
 #   notebooks/10_parallelism_planner.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """Plan a parallel layout for the cookbook's GPT before renting the GPUs: bytes per rank, bytes on the wire per
 step, a step time, and the `torchrun` line of the training recipe that runs it.
 

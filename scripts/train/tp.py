@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/tp.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/tp.py' in
 #   notebooks/07_tensor_parallel_and_2d.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """Megatron-style tensor parallelism of the model, with sequence parallel and a parallel loss."""
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh

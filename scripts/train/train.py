@@ -1,6 +1,7 @@
-# Written by `./cookbook export` from the cells tagged 'script:train/train.py' in
+# From the PyTorch distributed cookbook: the cells tagged 'script:train/train.py' in
 #   notebooks/09_from_notebook_to_cluster.ipynb
-# Edit those cells, not this file.
+# In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
+# Copied into your project, it is yours to edit.
 """Train the Llama of model.py under torchrun, at any layout of data, tensor and pipeline parallelism.
 
     python train.py prepare --text a.txt --out tokens.bin --train-tokenizer 8192   # a BPE tokenizer and its tokens

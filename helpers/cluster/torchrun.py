@@ -130,10 +130,11 @@ def run_torchrun(script: str | os.PathLike, *script_args: str, nproc: int = 2, m
 
 
 def error_files(log_dir: str | os.PathLike, attempt: int = 0) -> list:
-    """The failures torchrun's `@record` wrote for one attempt, as `launch.RankFailure`s (rank = local rank).
+    """The failures torchrun's `@record` wrote for one attempt, as `helpers.launcher.errors.RankFailure`s (rank =
+    local rank).
 
     Why: torchrun picks its "root cause" from these files by earliest timestamp; reading them the same way as
-    `helpers.launch` reports a failed launch lets a notebook compare its choice with `launch.root_cause`.
+    `helpers.launch` reports a failed launch lets a notebook compare its choice with `errors.root_cause`.
     """
     import json
 

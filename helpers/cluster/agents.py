@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers.cluster.torchrun import torchrun_path
 from helpers.launcher.sessions import descendants, signal_session, stop_sessions
-from helpers.launcher.torchrun import torchrun_path
 from helpers.paths import REPO_ROOT
 
 

@@ -1,11 +1,12 @@
-"""helpers.measure.parallel turns what a tensor-parallel model computed into plain numbers: equal to the unsplit
-model's outputs and gradients, the bytes each rank holds, and the collectives per module. Real processes (2 CPU ranks, gloo) through helpers.launch."""
+"""helpers.measure.tensor_parallel turns what a tensor-parallel model computed into plain numbers: equal to the
+unsplit model's outputs and gradients, the bytes each rank holds, and the collectives per module. Real processes (2
+CPU ranks, gloo) through helpers.launch."""
 from __future__ import annotations
 
 import pytest
 
 from helpers.launcher import launch
-from helpers.measure import parallel
+from helpers.measure import tensor_parallel
 
 
 def _tp_mlp_report(report):
@@ -44,7 +45,7 @@ def _tp_mlp_report(report):
 
 @pytest.mark.timeout(120)
 def test_tp_report_on_a_column_then_row_parallel_mlp():
-    results = launch(_tp_mlp_report, parallel.tp_report, world_size=2)
+    results = launch(_tp_mlp_report, tensor_parallel.tp_report, world_size=2)
     for r in results:
         assert r["logits_close"] and r["grads_close"] and r["logits_gap"] < 1e-5 and r["grad_gap"] < 1e-5
         # w1 (8x4) and its bias split by rows, w2 (4x8) by columns; w2's bias (4) whole on each rank
@@ -57,7 +58,7 @@ def test_tp_report_on_a_column_then_row_parallel_mlp():
 def test_tp_table_prints_each_setting_with_its_gaps_and_block_zero_collectives():
     report = {"logits_placements": "(Shard(dim=2),)", "logits_gap": 1.5e-7, "grad_gap": 2.5e-7,
               "per_module": {"GPT.layers.0": {"forward": {"all_reduce": 2}}}, "total": {"all_reduce": 7}}
-    lines = parallel.tp_table({False: report, True: {**report, "per_module": {}}}).splitlines()
+    lines = tensor_parallel.tp_table({False: report, True: {**report, "per_module": {}}}).splitlines()
     assert len(lines) == 6
     assert lines[0] == ("sequence parallel False: logits (Shard(dim=2),), max |logits - reference| 1.50e-07, "
                         "max |grad - reference| 2.50e-07")
@@ -83,7 +84,7 @@ def _two_all_reduces(step_collectives):
 
 @pytest.mark.timeout(120)
 def test_step_collectives_counts_the_calls_and_bytes_of_the_step_it_is_handed():
-    for r in launch(_two_all_reduces, parallel.step_collectives, world_size=2):
+    for r in launch(_two_all_reduces, tensor_parallel.step_collectives, world_size=2):
         assert list(r["collectives"]) == ["all_reduce"] and r["collectives"]["all_reduce"]["calls"] == 2
         # a ring all-reduce of B bytes sends 2 (w - 1) / w * B per rank: B on 2 ranks, twice
         assert r["bytes_sent"] == r["collectives"]["all_reduce"]["ring_bytes"] == 2 * 256 * 4
@@ -92,11 +93,11 @@ def test_step_collectives_counts_the_calls_and_bytes_of_the_step_it_is_handed():
 def test_graph_counter_counts_each_graph_and_refuses_an_unknown_backend():
     import torch
 
-    counter = parallel.GraphCounter("eager")
+    counter = tensor_parallel.GraphCounter("eager")
     eager = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
     x = torch.randn(2, 3)
     out = torch.compile(eager, backend=counter)(x)
     assert len(counter.graphs) == 1 and counter.graphs[0] >= 3  # at least the input, a module's call, the output
     assert torch.allclose(out, eager(x)), "the wrapped backend still compiles the graph it counted"
     with pytest.raises(ValueError, match="unknown torch.compile backend"):
-        parallel.GraphCounter("no-such-backend")
+        tensor_parallel.GraphCounter("no-such-backend")
