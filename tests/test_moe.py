@@ -42,20 +42,21 @@ def test_every_token_gets_its_top_k_experts_weighted_by_the_renormalized_router_
     assert moe.tokens_per_expert.sum().item() == 3 * 5 * 2, "dropless: every token's k assignments are computed"
 
 
-def test_the_load_balancing_loss_is_one_when_even_and_grows_as_the_load_concentrates():
-    moe, x = _moe(n_experts=4, top_k=1), torch.randn(64, 16, dtype=torch.float64)
+def test_the_load_balancing_loss_is_one_when_even_and_n_experts_when_one_expert_takes_everything():
+    moe = _moe(n_experts=4, top_k=1)
+    x = torch.zeros(64, 16, dtype=torch.float64)
+    x[torch.arange(64), torch.arange(64) % 4] = 1.0      # token i points at expert i % 4
     with torch.no_grad():
         moe.router.weight.zero_()
-        moe.router.weight[:, 0] = torch.tensor([0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
-    x[:, 0] = 1.0
-    moe(x)                                         # equal scores: uniform probabilities, ties to expert 0
-    assert moe.aux_loss.item() == pytest.approx(1.0)  # E x (1 x 1/4): only the probabilities matter when uniform
-    with torch.no_grad():
-        moe.router.weight[0, 0] = 5.0             # expert 0's logit up by 5 on every token
+        moe.router.weight[:, :4] = 20 * torch.eye(4)     # ... and the router follows, confidently
     moe(x)
-    p0 = torch.tensor([5.0, 0, 0, 0]).softmax(0)[0].item()
-    assert moe.aux_loss.item() == pytest.approx(4 * p0)   # every token on expert 0: E x f_0 x P_0
+    assert moe.tokens_per_expert.tolist() == [16, 16, 16, 16]
+    assert moe.aux_loss.item() == pytest.approx(1.0, abs=1e-6)      # E x sum of 1/4 x 1/4
+    with torch.no_grad():
+        moe.router.weight[0, :4] = 40.0                  # expert 0 outbids the others on every token
+    moe(x)
     assert moe.tokens_per_expert.tolist() == [64, 0, 0, 0]
+    assert moe.aux_loss.item() == pytest.approx(4.0, abs=1e-6)      # E x (1 x 1)
 
 
 def test_top_k_outside_one_to_n_experts_is_refused():
@@ -139,8 +140,8 @@ def _expert_parallel_against_one_process(log_factory):
         back.backward(torch.ones_like(back) * 2)
         round_trip = torch.equal(back, rows) and torch.equal(rows.grad, torch.full_like(rows, 2.0))
         per_expert = [b.feed_forward.tokens_per_expert.tolist() for b in model.layers.values()]
-        return {"gap": gap, "a2a": log.bytes("all_to_all"), "per_expert": per_expert, "tokens": x[mine].numel(),
-                "round_trip": round_trip}
+        return {"gap": gap, "a2a": [c.bytes for c in log.calls if c.kind == "all_to_all"], "per_expert": per_expert,
+                "tokens": x[mine].numel(), "round_trip": round_trip}
     finally:
         dist.destroy_process_group()
 
@@ -154,5 +155,8 @@ def test_expert_parallel_equals_one_process_and_moves_the_bytes_of_the_formula(w
         assert r["round_trip"], "dispatch then combine gives back the rows, and their gradients"
         received = [sum(o["per_expert"][layer][e] for o in results for e in range(rank * local, (rank + 1) * local))
                     for layer in range(2)]
-        # per MoE layer: the counts (n_experts int64), dispatch and combine forward, the same two backward
-        assert r["a2a"] == sum(n_experts * 8 + 2 * (r["tokens"] * top_k + rows) * dim * 4 for rows in received)
+        # per MoE layer in forward: the counts (n_experts int64), dispatch, combine; in backward, from the last layer:
+        # the combine's, then the dispatch's
+        out = r["tokens"] * top_k * dim * 4
+        assert r["a2a"] == [b for rows in received for b in (n_experts * 8, out, rows * dim * 4)] + \
+            [b for rows in received[::-1] for b in (out, rows * dim * 4)]

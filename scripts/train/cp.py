@@ -166,7 +166,7 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("context parallelism splits training sequences; generation runs in one process")
         b, t, _ = x.shape
         q, k, v = (w(x).view(b, t, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos[:t], sin[:t]), apply_rotary(k, cos[:t], sin[:t])    # this rank's positions
         y = RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.group, self.balanced)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
