@@ -8,8 +8,8 @@ import torch
 
 from helpers.measure.activations import LiveSavedBytes
 from helpers.measure.pipeline import (bubble_formula, bubble_table, ir_report, measured_idle_fraction,
-                                      orders_from_ir, orders_from_log, peaks_table, replay, step_seconds,
-                                      summarize_runs)
+                                      orders_from_ir, orders_from_log, peaks_table, record_actions, replay,
+                                      step_seconds, summarize_runs)
 
 
 def gpipe(p: int, m: int) -> dict:
@@ -60,6 +60,54 @@ def test_orders_and_idle_time_from_a_recorded_log():
     assert measured_idle_fraction(logs) == 0.5  # 4 busy seconds out of 2 ranks x 4 s
 
 
+def _acts(text: str) -> list:
+    """'0F0 0I0 0W0' -> [(0, 'F', 0), (0, 'I', 0), (0, 'W', 0)]."""
+    return [(int(a[0]), a[1], int(a[2:])) for a in text.split()]
+
+
+def test_a_backward_split_in_input_and_weight_halves_is_replayed_with_their_dependencies():
+    """p = 2, m = 2, F = I = W = 1 slot (backward_cost 2). Stage 0 waits for stage 1's I, not its W: with each W
+    right after its I, stage 1's I1 ends at 6 and the step at 8 (a full B would end at 9, 1F1B's (p-1)/(m+p-1));
+    stage 1 deferring W0 past F1 and I1 gives stage 0 its gradient at 5, and the step ends at 7."""
+    first = _acts("0F0 0F1 0I0 0W0 0I1 0W1")
+    in_place = {0: first, 1: _acts("1F0 1I0 1W0 1F1 1I1 1W1")}
+    deferred = {0: first, 1: _acts("1F0 1I0 1F1 1I1 1W0 1W1")}
+    full = {0: _acts("0F0 0F1 0B0 0B1"), 1: _acts("1F0 1B0 1F1 1B1")}
+    assert replay(full, backward_cost=2)["makespan"] == 9
+    assert replay(full, backward_cost=2)["idle_fraction"] == bubble_formula(2, 2)
+    assert replay(in_place, backward_cost=2)["makespan"] == 8
+    assert replay(deferred, backward_cost=2)["makespan"] == 7
+    assert replay(deferred, backward_cost=2)["idle_fraction"] == 2 / 14
+
+
+def test_a_weight_half_before_its_input_half_cannot_run():
+    with pytest.raises(ValueError, match="no rank can proceed"):
+        replay({0: _acts("0F0 0W0 0I0")})
+
+
+def test_record_actions_names_the_halves_of_a_split_backward():
+    class Stage:                       # the three methods a PipelineStage's schedule calls
+        stage_index = 3
+
+        def forward_one_chunk(self, mb, *args, **kwargs):
+            return mb
+
+        def backward_one_chunk(self, mb, loss=None, full_backward=True, last_backward=False):
+            return mb
+
+        def backward_weight_one_chunk(self, mb, last_backward=False):
+            return mb
+
+    stage, log = Stage(), []
+    record_actions(stage, log)
+    stage.forward_one_chunk(0, ("x",), {})
+    stage.backward_one_chunk(0, loss=None, full_backward=False, last_backward=False)
+    stage.backward_weight_one_chunk(0, last_backward=True)
+    stage.backward_one_chunk(1, loss=None, full_backward=True, last_backward=False)
+    stage.backward_one_chunk(2)
+    assert [(s, k, mb) for s, k, mb, *_ in log] == [(3, "F", 0), (3, "I", 0), (3, "W", 0), (3, "B", 1), (3, "B", 2)]
+
+
 def test_live_saved_bytes_peak_and_release():
     w = torch.nn.Parameter(torch.ones(256))
     meter = LiveSavedBytes()
@@ -82,6 +130,11 @@ def test_orders_from_the_schedules_ir_keep_forwards_and_backwards():
     assert replay(orders_from_ir(ir))["idle_fraction"] == bubble_formula(2, 2)
 
 
+def test_the_ir_of_a_zero_bubble_schedule_keeps_its_input_and_weight_halves():
+    ir = {0: ["0F0", "0SEND_F0", "0I0", "0W0"], 1: [None, "1RECV_F0", "1F0", "1I0", "1W0", "1SEND_B0"]}
+    assert orders_from_ir(ir) == {0: _acts("0F0 0I0 0W0"), 1: _acts("1F0 1I0 1W0")}
+
+
 def test_summarized_runs_count_measure_and_keep_the_ir():
     # 1F1B, p = 2, m = 2, every action one second: rank 1 waits 1 s at the start, rank 0 1 s between B0 and B1
     step = {0: [(0, "F", 0, 0, 1), (0, "F", 1, 1, 2), (0, "B", 0, 3, 4), (0, "B", 1, 5, 6)],
@@ -98,6 +151,8 @@ def test_summarized_runs_count_measure_and_keep_the_ir():
     assert row["peak_saved"] == {0: 100, 1: 200}
     assert [label for *_, label in row["events"][0]] == ["F0", "F1", "B0", "B1"]
     assert "matches the executed order; it replays to 0.3333" in ir_report(row)
+    (doubled,) = summarize_runs(results, backward_cost=2.0)   # a backward twice a forward: 1F1B's fraction holds
+    assert doubled["counted"] == 1 / 3 and "it replays to 0.3333" in ir_report(doubled)
 
 
 def test_ir_report_shows_where_the_ir_differs():

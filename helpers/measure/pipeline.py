@@ -4,8 +4,9 @@ Why count from the executed order: `torch.distributed.pipelining` schedules desc
 (`schedule.pipeline_order`, with `None` for idle slots), but for the single-stage schedules (`ScheduleGPipe`,
 `Schedule1F1B`) that IR is only a drawing: their `step` runs its own loop, and in torch 2.13 the IR of `Schedule1F1B`
 even names micro-batch 1 first on the last stage. What a schedule does is the sequence of `forward_one_chunk` /
-`backward_one_chunk` calls each stage makes, so `record_actions` wraps those two methods of a `PipelineStage` and
-records (stage, 'F' or 'B', micro-batch, start, end) as they run. `replay` then puts each rank's sequence on a
+`backward_one_chunk` (/ `backward_weight_one_chunk`) calls each stage makes, so `record_actions` wraps those methods
+of a `PipelineStage` and records (stage, 'F' or 'B', micro-batch, start, end) as they run ('I' and 'W' for the
+input and weight halves of a backward the zero-bubble schedules split). `replay` then puts each rank's sequence on a
 clock where every action takes one slot (or the costs given) and each action waits for the one it depends on
 (F of a micro-batch on the previous stage, B on the next stage): the idle slots it counts are the schedule's
 bubble, to compare with the closed form (p - 1)/(v·m + p - 1). The recorded times give the measured idle time.
@@ -31,32 +32,52 @@ def bubble_formula(stages: int, microbatches: int, chunks_per_rank: int = 1) -> 
 
 
 def record_actions(stage, log: list) -> None:
-    """Wrap `stage.forward_one_chunk` and `stage.backward_one_chunk` so each call appends
-    (stage_index, 'F' or 'B', micro-batch, start_s, end_s) to `log` (time.perf_counter, comparable across
-    processes of one machine)."""
-    for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B")):
+    """Wrap the stage's `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk` so each call
+    appends (stage_index, kind, micro-batch, start_s, end_s) to `log` (time.perf_counter, comparable across
+    processes of one machine). kind: 'F' forward, 'B' full backward, and for the zero-bubble schedules, which split
+    the backward in two, 'I' (the input gradient, `full_backward=False`) and 'W' (the weight gradient)."""
+    for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         original = getattr(stage, method)
 
         @functools.wraps(original)
-        def timed(mb, *args, __original=original, __kind=kind, **kwargs):
+        def timed(mb, *args, __original=original, __method=method, **kwargs):
+            kind = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W"}.get(__method) or \
+                ("B" if kwargs.get("full_backward", True) else "I")
             start = time.perf_counter()
             try:
                 return __original(mb, *args, **kwargs)
             finally:
-                log.append((stage.stage_index, __kind, int(mb), start, time.perf_counter()))
+                log.append((stage.stage_index, kind, int(mb), start, time.perf_counter()))
 
         setattr(stage, method, timed)
+
+
+def _ready(done: dict, stage: int, kind: str, mb: int, last_stage: int):
+    """When the action's dependency finished (0.0 if it has none), or None if it has not run yet. F(s) waits for
+    F(s-1); a backward of the input (B or I) for that of the next stage, or on the last stage for its own F; W for
+    its own stage's I."""
+    if kind == "F":
+        return done.get((stage - 1, "F", mb)) if stage > 0 else 0.0
+    if kind == "W":
+        return done.get((stage, "I", mb))
+    if stage == last_stage:
+        return done.get((stage, "F", mb))
+    after = done.get((stage + 1, "B", mb))
+    return after if after is not None else done.get((stage + 1, "I", mb))
 
 
 def replay(orders: dict[int, list[Action]], forward_cost: float = 1.0, backward_cost: float = 1.0) -> dict:
     """Run each rank's actions in its order on a shared clock, each waiting for what it depends on.
 
-    orders: {rank: [(stage, 'F' or 'B', micro-batch), ...]} in the order the rank executed them.
-    Dependencies: F(s, mb) after F(s-1, mb); B(s, mb) after B(s+1, mb), or after F(s, mb) on the last stage.
+    orders: {rank: [(stage, 'F', 'B', 'I' or 'W', micro-batch), ...]} in the order the rank executed them.
+    Dependencies: F(s, mb) after F(s-1, mb); B or I(s, mb) after B or I(s+1, mb), or after F(s, mb) on the last
+    stage; W(s, mb) after I(s, mb). Costs: F `forward_cost`, B `backward_cost`, I and W half of it each (the zero
+    bubble papers' T_F = T_B = T_W is forward_cost 1, backward_cost 2).
     Returns {'makespan', 'busy': {rank: time}, 'idle': {rank: time}, 'idle_fraction'}. Raises ValueError when no
     rank can proceed (an order that cannot run).
     """
     last_stage = max(a[0] for acts in orders.values() for a in acts)
+    cost = {"F": forward_cost, "B": backward_cost, "I": backward_cost / 2, "W": backward_cost / 2}
     done: dict[Action, float] = {}
     clock = {r: 0.0 for r in orders}
     busy = {r: 0.0 for r in orders}
@@ -67,16 +88,11 @@ def replay(orders: dict[int, list[Action]], forward_cost: float = 1.0, backward_
         for r, acts in orders.items():
             while position[r] < len(acts):
                 stage, kind, mb = acts[position[r]]
-                if kind == "F":
-                    dep = (stage - 1, "F", mb) if stage > 0 else None
-                else:
-                    dep = (stage + 1, "B", mb) if stage < last_stage else (stage, "F", mb)
-                if dep is not None and dep not in done:
+                ready = _ready(done, stage, kind, mb, last_stage)
+                if ready is None:
                     break
-                cost = forward_cost if kind == "F" else backward_cost
-                start = max(clock[r], done[dep] if dep is not None else 0.0)
-                done[(stage, kind, mb)] = clock[r] = start + cost
-                busy[r] += cost
+                done[(stage, kind, mb)] = clock[r] = max(clock[r], ready) + cost[kind]
+                busy[r] += cost[kind]
                 position[r] += 1
                 remaining -= 1
                 progressed = True
@@ -96,10 +112,11 @@ def orders_from_log(logs: dict[int, list[tuple]]) -> dict[int, list[Action]]:
 
 def orders_from_ir(pipeline_order: dict[int, list]) -> dict[int, list[Action]]:
     """A schedule's own IR (`schedule.pipeline_order`: {rank: [action or None]}, actions printed like '0F1' or
-    '1B0') -> {rank: [(stage, kind, mb)]}, keeping forwards and full backwards, dropping idle slots and the rest."""
+    '1B0', '1I0', '0W0') -> {rank: [(stage, kind, mb)]}, keeping the compute actions (forwards, backwards and their
+    input and weight halves), dropping idle slots and communication."""
     import re
 
-    pattern = re.compile(r"^(\d+)(F|B)(\d+)$")
+    pattern = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
     orders = {}
     for rank, actions in pipeline_order.items():
         parsed = [pattern.match(str(a)) for a in actions if a is not None]
@@ -119,13 +136,14 @@ def measured_idle_fraction(logs: dict[int, list[tuple]]) -> float:
     return 1.0 - busy / (len(logs) * step_seconds(logs))
 
 
-def summarize_runs(results: list[dict]) -> list[dict]:
+def summarize_runs(results: list[dict], backward_cost: float = 1.0) -> list[dict]:
     """Per-rank results of a bubble sweep -> one row per (schedule, m), what the notebook prints, plots and asserts.
 
     results: one dict per rank, {'rank', 'runs': [{'schedule', 'm', 'stages' (this rank's stage indices), 'logs'
     (one `record_actions` log per measured step), 'peak_saved' (bytes), 'ir' ({rank: [str(action)]})}]}, the runs
     in the same order on every rank. Each row: schedule, m, p (ranks), v (stages per rank); 'orders' executed in
-    the last step; 'counted' (its replayed idle fraction) beside 'formula'; 'measured' idle fraction and 'step_s'
+    the last step; 'counted' (its replayed idle fraction, a backward costing `backward_cost` forwards) beside
+    'formula' (1F1B's); 'measured' idle fraction and 'step_s'
     (medians over the steps); 'events' {rank: [(start_s, end_s, 'F0')]} of the last step; 'peak_saved' {rank:
     bytes}; 'ir' (the schedule's own order, parsed)."""
     rows = []
@@ -135,13 +153,14 @@ def summarize_runs(results: list[dict]) -> list[dict]:
         orders = orders_from_log(steps[-1])
         rows.append({
             "schedule": run["schedule"], "m": m, "p": p, "v": v, "orders": orders,
-            "counted": replay(orders)["idle_fraction"], "formula": bubble_formula(p * v, m, v),
+            "counted": replay(orders, backward_cost=backward_cost)["idle_fraction"],
+            "formula": bubble_formula(p * v, m, v),
             "measured": statistics.median(measured_idle_fraction(s) for s in steps),
             "step_s": statistics.median(step_seconds(s) for s in steps),
             "events": {rank: [(e[3], e[4], f"{e[1]}{e[2]}") for e in sorted(log, key=lambda e: e[3])]
                        for rank, log in steps[-1].items()},
             "peak_saved": {r["rank"]: r["runs"][i]["peak_saved"] for r in results},
-            "ir": orders_from_ir(run["ir"]),
+            "ir": orders_from_ir(run["ir"]), "backward_cost": backward_cost,
         })
     return rows
 
@@ -150,7 +169,8 @@ def ir_report(row: dict) -> str:
     """Whether a schedule's own IR (`pipeline_order`) is the order it executed, what the IR replays to, and where
     they differ, as lines to print."""
     try:
-        replayed = f"replays to {replay(row['ir'])['idle_fraction']:.4f}"
+        fraction = replay(row["ir"], backward_cost=row.get("backward_cost", 1.0))["idle_fraction"]
+        replayed = f"replays to {fraction:.4f}"
     except ValueError as exc:
         replayed = f"cannot be replayed ({exc})"
     differ = [r for r in row["orders"] if row["ir"].get(r) != row["orders"][r]]

@@ -1,0 +1,116 @@
+"""The recipe's context parallelism (scripts/train/cp.py, written by notebook 08b): the chunks each rank holds, the
+online softmax, and ring attention and `apply_cp` against one process on gloo ranks, with the bytes the ring sends."""
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from helpers.launcher import launch
+from helpers.measure.comm_log import CollectiveLog
+from helpers.paths import SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS / "train"))
+from cp import attend, cp_chunks, cp_positions, merge, visible_blocks  # noqa: E402
+
+
+def test_balanced_chunks_pair_an_early_one_with_a_late_one_and_cover_the_sequence():
+    assert [cp_chunks(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert [cp_chunks(r, 4, balanced=False) for r in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    for balanced in (True, False):
+        positions = torch.cat([cp_positions(16, r, 4, balanced) for r in range(4)])
+        assert sorted(positions.tolist()) == list(range(16))
+    assert cp_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+
+
+def test_a_sequence_that_does_not_cut_into_2n_chunks_is_refused():
+    with pytest.raises(ValueError, match="4 equal chunks: 6 tokens"):
+        cp_positions(6, 0, 2)
+
+
+def test_causal_work_is_equal_on_every_rank_only_with_balanced_chunks():
+    def work(n, balanced):
+        return [sum(len(visible_blocks(cp_chunks(r, n, balanced), cp_chunks(s, n, balanced))) for s in range(n))
+                for r in range(n)]
+    assert work(4, True) == [9, 9, 9, 9]               # 2N + 1 blocks each: two diagonals, 2N - 1 whole blocks
+    assert work(4, False) == [3, 7, 11, 15]
+
+
+def test_the_online_softmax_merges_blocks_into_whole_causal_attention():
+    q, k, v = (torch.randn(2, 3, 8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    scale = 1 / math.sqrt(4)
+    # the second half of the queries: the first half of the keys whole, then its own half under the diagonal
+    later = merge(*attend(q[:, :, 4:], k[:, :, :4], v[:, :, :4], scale, diagonal=False),
+                  *attend(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], scale, diagonal=True))[0]
+    earlier = attend(q[:, :, :4], k[:, :, :4], v[:, :, :4], scale, diagonal=True)[0]
+    torch.testing.assert_close(torch.cat([earlier, later], dim=2), whole)
+
+
+def _ring_against_one_process(log_factory):
+    """float64 q, k, v (4 query heads, 2 key/value heads): the ring on each rank's chunks against causal SDPA on the
+    whole sequence, forward and backward, balanced and contiguous; then the GPT with apply_cp against the plain GPT.
+    Returns the largest gaps and the bytes each rank sent."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, str(SCRIPTS / "train"))
+    from config import GPTConfig
+    from cp import RingAttention, apply_cp, cp_positions, cp_shard
+    from model import GPT, cross_entropy
+
+    dist.init_process_group("gloo")
+    try:
+        rank, world, seq = dist.get_rank(), dist.get_world_size(), 24
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 4, seq, 8, dtype=torch.float64, generator=g)
+        k, v = (torch.randn(2, 2, seq, 8, dtype=torch.float64, generator=g) for _ in range(2))
+        grad = torch.randn(2, 4, seq, 8, dtype=torch.float64, generator=g)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        one = F.scaled_dot_product_attention(whole[0], *(t.repeat_interleave(2, 1) for t in whole[1:]), is_causal=True)
+        one.backward(grad)
+        gaps, sent = [], []
+        for balanced in (True, False):
+            mine = cp_positions(seq, rank, world, balanced)
+            local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+            log = log_factory()
+            with log:
+                out = RingAttention.apply(*local, mesh.get_group(), balanced)
+                out.backward(grad[:, :, mine])
+            sent.append(log.bytes("send"))
+            pairs = [(out, one[:, :, mine])] + [(a.grad, b.grad[:, :, mine]) for a, b in zip(local, whole)]
+            gaps.append(max((a - b).abs().max().item() for a, b in pairs))
+        cfg = GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=seq, multiple_of=16)
+        tokens = torch.randint(0, 64, (2, seq + 1), generator=g)
+        reference, model = GPT(cfg), GPT(cfg)
+        for m in (reference, model):
+            m.init_weights(0)
+        cross_entropy(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
+        apply_cp(model, mesh)
+        cross_entropy(model(cp_shard(tokens[:, :-1], mesh)), cp_shard(tokens[:, 1:], mesh)).backward()
+        ref = dict(reference.named_parameters())
+        model_gap = 0.0
+        for name, p in model.named_parameters():
+            dist.all_reduce(p.grad)
+            model_gap = max(model_gap, (p.grad / world - ref[name].grad).abs().max().item())
+        whole_tables = model.rope_cos.shape == reference.rope_cos.shape   # restored after the forward
+        return {"gaps": gaps, "sent": sent, "model_gap": model_gap, "whole_tables": whole_tables}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_and_apply_cp_equal_one_process(world):
+    for r in launch(_ring_against_one_process, CollectiveLog, world_size=world, timeout=180):
+        assert max(r["gaps"]) < 1e-12, "float64: the ring is one process's attention up to rounding"
+        block = 2 * 2 * (24 // world) * 8 * 8                  # one rank's keys (or values): float64 bytes
+        assert r["sent"] == [(2 * (world - 1) + 4 * (world - 1) + 2) * block] * 2, \
+            "forward: N-1 shifts of k, v; backward: N-1 of k, v, dk, dv and one of dk, dv"
+        assert r["model_gap"] < 1e-6 and r["whole_tables"]
