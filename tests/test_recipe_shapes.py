@@ -67,7 +67,7 @@ def test_heads_that_tp_cannot_split_are_refused_before_anything_starts(monkeypat
     assert refused.value.code == 2 and "tp 8 must divide the 12 query and 4 key/value heads" in capsys.readouterr().err
 
 
-def _pipeline_splits(pp, chunks, n_layers):
+def _pipeline_splits(pp, chunks, n_layers, style="loop"):
     """The recipe's pipeline_split of its GPT (meta device) on each rank of a pp-rank pipeline with `chunks` stages
     per rank, each rank played in turn through torch's fake process group: {(rank, chunk): parameter names}, or
     the ValueError's message."""
@@ -93,7 +93,7 @@ def _pipeline_splits(pp, chunks, n_layers):
                 with torch.device("meta"):
                     model = GPT(cfg)
                 try:
-                    stage = pipeline_split(model, pp_mesh, chunk, chunks)
+                    stage = pipeline_split(model, pp_mesh, chunk, chunks, style)
                 except ValueError as e:
                     return str(e)
                 kept[(rank, chunk)] = sorted(n for n, _ in stage.named_parameters())
@@ -110,22 +110,24 @@ def test_a_pipeline_with_more_stages_than_layers_is_refused():
     assert refused == "4 layers do not fill 8 stages"
 
 
-@pytest.mark.parametrize("pp, chunks, n_layers", [(2, 1, 16), (8, 1, 16), (4, 2, 16), (8, 1, 126)])
-def test_the_stages_tile_the_model_under_its_own_names(pp, chunks, n_layers):
+@pytest.mark.parametrize("pp, chunks, n_layers, style", [(2, 1, 16, "loop"), (8, 1, 16, "loop"), (4, 2, 16, "loop"),
+                                                          (8, 1, 126, "loop"), (4, 2, 16, "v")])
+def test_the_stages_tile_the_model_under_its_own_names(pp, chunks, n_layers, style):
     """Every parameter in exactly one stage, under the whole model's name; the embedding on stage 0, the final norm
     and output on the last; stage s holds the s-th run of consecutive blocks (rank r's chunk c is stage r + c·pp:
     the interleaved schedule's stages on a rank are not neighbours), split as torchtitan splits them: the embedding
     and the output count as a block each, and the first stages take one more where they do not divide (126 layers
-    over 8 stages: 15, 16 x 6, 15)."""
-    kept = launch(_pipeline_splits, pp, chunks, n_layers, world_size=1, timeout=120)[0]
+    over 8 stages: 15, 16 x 6, 15). In a V (the ZBV schedule) rank r's second chunk is stage 2p - 1 - r instead."""
+    kept = launch(_pipeline_splits, pp, chunks, n_layers, style, world_size=1, timeout=120)[0]
     whole = kept.pop("whole")
     assert sorted(n for names in kept.values() for n in names) == whole
     stages = pp * chunks
-    blocks = {rank + chunk * pp: sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
-              for (rank, chunk), names in kept.items()}
+    index = {(r, c): (2 * pp - 1 - r if style == "v" and c == 1 else r + c * pp) for r, c in kept}
+    blocks = {index[key]: sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
+              for key, names in kept.items()}
     sizes = [len(blocks[s]) + (s == 0) + (s == stages - 1) for s in range(stages)]     # embedding, output: one each
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True), sizes
     assert [b for s in range(stages) for b in blocks[s]] == list(range(n_layers)), "consecutive runs, in order"
-    for (rank, chunk), names in kept.items():
-        s = rank + chunk * pp
+    for key, names in kept.items():
+        s = index[key]
         assert ("tok_embeddings.weight" in names) == (s == 0) and ("output.weight" in names) == (s == stages - 1)

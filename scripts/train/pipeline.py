@@ -8,21 +8,34 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
-def _stage_index(pp_mesh: DeviceMesh, chunk: int, chunks: int) -> tuple[int, int]:
-    """(this stage's index, the number of stages): with `chunks` stages per rank, rank r of p holds stages r,
-    r + p, ..., so the interleaved schedule's stages on one rank are not neighbours."""
-    return pp_mesh.get_local_rank() + chunk * pp_mesh.size(), chunks * pp_mesh.size()
+# Per schedule: the stages on each rank and how they are placed ("loop": rank r of p holds stages r, r + p, ...;
+# "v": rank r holds stages r and 2p - 1 - r, the first and last on rank 0). The zero-bubble schedules split each
+# backward into its input-gradient and weight-gradient halves and fill the pipeline's idle slots with the latter.
+SCHEDULE_STAGES = {"gpipe": (1, "loop"), "1f1b": (1, "loop"), "interleaved": (2, "loop"),
+                   "interleaved-zb": (2, "loop"), "zbv": (2, "v")}
 
 
-def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, chunk: int = 0, chunks: int = 1) -> nn.Module:
+def _stage_index(pp_mesh: DeviceMesh, chunk: int, chunks: int, style: str = "loop") -> tuple[int, int]:
+    """(this stage's index, the number of stages) of this rank's `chunk` of `chunks`, placed as `style` says (above):
+    in a loop the interleaved schedule's stages on one rank are not neighbours; a V brings them back."""
+    rank, p = pp_mesh.get_local_rank(), pp_mesh.size()
+    if style == "v":
+        if chunks != 2:
+            raise ValueError(f"a V places 2 stages on each rank, not {chunks}")
+        return (rank if chunk == 0 else 2 * p - 1 - rank), 2 * p
+    return rank + chunk * p, chunks * p
+
+
+def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, chunk: int = 0, chunks: int = 1,
+                   style: str = "loop") -> nn.Module:
     """Keep this rank's stage of the model, before any other parallelism is applied: the first stage the embedding
     and its share of the blocks, the last its share and the final norm and output (config.stage_layers: the
     embedding and the output count as a block each, the first stages take the remainder). Blocks keep their names,
-    so the stages' state dicts together are the whole model's. For the interleaved schedule, split one copy per
-    `chunk`."""
+    so the stages' state dicts together are the whole model's. For several stages per rank, split one copy per
+    `chunk` (placed as `style`: SCHEDULE_STAGES)."""
     from config import stage_layers
 
-    stage, n_stages = _stage_index(pp_mesh, chunk, chunks)
+    stage, n_stages = _stage_index(pp_mesh, chunk, chunks, style)
     names = list(model.layers)
     if len(names) < n_stages:
         raise ValueError(f"{len(names)} layers do not fill {n_stages} stages")
@@ -37,20 +50,24 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, chunk: int = 0, chunks
     return model
 
 
-def pipeline_stage(model: nn.Module, pp_mesh: DeviceMesh, device: torch.device, chunk: int = 0, chunks: int = 1):
+def pipeline_stage(model: nn.Module, pp_mesh: DeviceMesh, device: torch.device, chunk: int = 0, chunks: int = 1,
+                   style: str = "loop"):
     """The PipelineStage of a split, parallelized and materialized model (the stage sends and receives the
     activations between neighbouring ranks of `pp_mesh`; their shapes are found at the first step)."""
     from torch.distributed.pipelining import PipelineStage
 
-    stage, n_stages = _stage_index(pp_mesh, chunk, chunks)
+    stage, n_stages = _stage_index(pp_mesh, chunk, chunks, style)
     return PipelineStage(model, stage, n_stages, device, group=pp_mesh.get_group())
 
 
 def pipeline_schedule(stage, name: str, n_microbatches: int, loss_fn):
     """GPipe (all forwards, then all backwards) or 1F1B (one forward, one backward: fewer activations alive) on a
-    stage; "interleaved" (1F1B over several stages per rank: a smaller bubble) on the list of this rank's stages.
-    Each averages the micro-batches' gradients (scale_grads)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    stage; "interleaved" (1F1B over several stages per rank: a smaller bubble), "interleaved-zb" and "zbv" (the
+    zero-bubble schedules: notebook 08b) on the list of this rank's stages. Each averages the micro-batches'
+    gradients (scale_grads)."""
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[name]
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+           "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[name]
     return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
