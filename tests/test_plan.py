@@ -13,6 +13,7 @@ and a `torchrun` line the recipe's own argument check accepts.
 """
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 import sys
@@ -162,9 +163,9 @@ def test_layer_activations_against_the_playbook_formula(s, b, h, a):
 
 
 def _torchtitan_selective_context():
-    """torchtitan's per-op policy (torchtitan/models/llama3/infra/parallelize.py at 9dec370, `_save_list` and
-    `_custom_policy`; today torchtitan/distributed/activation_checkpoint.py): save matmul and attention outputs
-    (and a reduce-scatter's), except every second matmul of a block."""
+    """torchtitan's per-op policy (`_save_list` and `_custom_policy` in torchtitan/parallelisms/parallelize_llama.py
+    at 9dec370; today torchtitan/distributed/activation_checkpoint.py): save matmul and attention outputs (and a
+    reduce-scatter's), except every second matmul of a block."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
@@ -185,7 +186,7 @@ def _forward_bytes(cfg, precision, checkpointing, batch, seq):
     """The recipe's model with the recipe's apply_ac (or torchtitan's per-op policy, wrapped the same way), one
     forward and loss as train.py computes them: (the bytes of the tensors made in that forward and still alive after
     it, the bytes autograd saved)."""
-    from ac import apply_ac, _checkpointed
+    from ac import apply_ac
     from helpers.measure.activations import LiveTensorBytes, SavedActivations
     from model import cross_entropy
     from torch.utils.checkpoint import checkpoint
@@ -195,7 +196,8 @@ def _forward_bytes(cfg, precision, checkpointing, batch, seq):
     model.init_weights()
     if checkpointing == P.TORCHTITAN_SELECTIVE:
         for block in model.layers.values():
-            block.forward = _checkpointed(block.forward, checkpoint, _torchtitan_selective_context)
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
+                                              context_fn=_torchtitan_selective_context)
     else:
         apply_ac(model, checkpointing)
     live, saved = LiveTensorBytes(), SavedActivations()

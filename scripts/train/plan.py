@@ -16,8 +16,9 @@ column-wise projection, the loss's backward holds three fp32 tensors of the whol
 reserves more than it hands out. Every term here names the tensor it counts, so a notebook can hold it against what
 a run on the reader's machine holds and sends, and against published runs (notebook 10).
 
-Imports the standard library and config.py (the recipe's one model config and layout) at module level, torch only
-in `count_parameters` and hardware.py's datasheet table where a time is asked for: copy it with the recipe.
+Imports the standard library and config.py (the recipe's one model config and layout) at module level, the
+recipe's hardware.py (its datasheet table, torch-free) where a time is asked for, and torch only in
+`count_parameters`: copy it with the recipe.
 Conventions:
 - bytes are per rank; "held" counts the rank's own elements (a DTensor's local shard), "allocated" the storages
   behind them (FSDP2 keeps parameters and gradients in buffers padded to ceil(dim0 / N) rows on every rank);
@@ -406,13 +407,13 @@ def selective_block(cfg: GPTConfig, train: Training, tp: int) -> dict[str, float
     must save; everything else (norms, rotations, repeats, silu, the product, adds, autocast's casts) is recomputed.
 
     The recipe's policy ("selective", ac.py) saves every matmul's output and attention's; torchtitan's
-    (`TORCHTITAN_SELECTIVE`: torchtitan/models/llama3/infra/parallelize.py, later
-    torchtitan/distributed/activation_checkpoint.py) counts a block's matmuls and recomputes every second one (wk,
-    wo, w3 of wq, wk, wv, wo, w1, w3, w2), and saves a reduce-scatter's output (under tp: wo's and w2's, sequence-
-    split). Row-wise projections (wo, w2) output a partial sum over the whole sequence before their reduce-scatter,
-    so under tp their outputs do not shrink. Eager checkpointing keeps what its policy names even where no backward
-    reads it (wo's and w2's outputs feed only the residual adds); torch.compile's partitioner keeps only what the
-    backward needs, so a compiled block leaves those out (`Training.compile`).
+    (`TORCHTITAN_SELECTIVE`: `_save_list` and `_custom_policy` in torchtitan/parallelisms/parallelize_llama.py at
+    9dec370, today torchtitan/distributed/activation_checkpoint.py) counts a block's matmuls and recomputes every
+    second one (wk, wo, w3 of wq, wk, wv, wo, w1, w3, w2), and saves a reduce-scatter's output (under tp: wo's and
+    w2's, sequence-split). Row-wise projections (wo, w2) output a partial sum over the whole sequence before their
+    reduce-scatter, so under tp their outputs do not shrink. Eager checkpointing keeps what its policy names even
+    where no backward reads it (wo's and w2's outputs feed only the residual adds); torch.compile's partitioner keeps
+    only what the backward needs, so a compiled block leaves those out (`Training.compile`).
     """
     b = _dtype_bytes(train.precision)
     n = train.batch_size * train.seq_len
