@@ -1056,8 +1056,11 @@ def build_parser() -> Parser:
     g.add_argument("--model", choices=sorted(PRESETS), help="a named shape (config.py's PRESETS)")
     g.add_argument("--hf-config", help="a Hugging Face Llama's config.json instead (the torchrun line then uses "
                    "--init-from its folder)")
-    for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size"):
-        g.add_argument(f"--{flag}", type=int)
+    g.add_argument("--dim", type=int)
+    g.add_argument("--n-layers", type=int)
+    g.add_argument("--n-heads", type=int)
+    g.add_argument("--n-kv-heads", type=int)
+    g.add_argument("--vocab-size", type=int)
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction)
     g = p.add_argument_group("the run")
     g.add_argument("--gpus", type=int, required=True, help="how many GPUs")
@@ -1070,8 +1073,10 @@ def build_parser() -> Parser:
                    help="checkpointing modes to try (default: all)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile each "
                    "block, as the recipe does on GPUs (default)")
-    for flag in ("dp-replicate", "dp-shard", "tp", "pp"):
-        g.add_argument(f"--{flag}", type=int, help=f"fix {flag} (default: try every degree)")
+    g.add_argument("--dp-replicate", type=int, help="fix dp_replicate (default: try every degree)")
+    g.add_argument("--dp-shard", type=int, help="fix dp_shard (default: try every degree)")
+    g.add_argument("--tp", type=int, help="fix tp (default: every degree within a node)")
+    g.add_argument("--pp", type=int, help="fix pp (default: try every degree)")
     g.add_argument("--matmul-tflops", type=float, help="your GPU's large bf16 matmul rate (notebook 05 measures it; "
                    "default: the datasheet x the H200's measured share)")
     g.add_argument("--top", type=int, default=8, help="layouts to print")
