@@ -8,25 +8,34 @@ from __future__ import annotations
 
 from helpers.plots import new_figure
 
-PARTS = ("parameters", "gradients", "optimizer", "activations", "transient")
+PARTS = ("parameters", "gradients", "optimizer", "activations", "transient", "allocator cache")
 _COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",
-           "transient": "#8172B3"}
+           "transient": "#8172B3", "allocator cache": "#CCCCCC"}
 GIB = 2 ** 30
 
 
 def rank_parts(row: dict) -> dict[str, float]:
-    """One rank of a plan as {part: bytes}: the allocated model state, the kept and recomputed activations, the
-    transient buffers (gathered parameters, buckets, the logits' gradient)."""
-    act = row["activations"]
-    return {"parameters": row["allocated"]["parameters"], "gradients": row["allocated"]["gradients"],
-            "optimizer": row["allocated"]["optimizer"], "activations": act["kept"] + act["recompute"],
-            "transient": sum(row["transient"].values())}
+    """One rank of a plan at its peak as {part: bytes}, adding up to the reserved bytes: the allocated parameters
+    and optimizer state, the gradients (at the optimizer step; before it a step's own accumulating gradients count
+    as transient), the kept and recomputed activations, the rest of what is allocated at that moment (gathered
+    parameters, buckets, the loss's vocabulary-sized tensors), and what the caching allocator reserves beyond it."""
+    memory, act = row["memory"], row["activations"]
+    optimizer_step = memory["phase"] == "optimizer step"
+    parts = {"parameters": row["allocated"]["parameters"],
+             "gradients": row["allocated"]["gradients"] if optimizer_step else 0.0,
+             "optimizer": row["allocated"]["optimizer"],
+             "activations": 0.0 if optimizer_step else min(act["kept"] + act["recompute"],
+                                                           memory["phases"][memory["phase"]])}
+    parts["transient"] = max(0.0, memory["allocated"] - sum(parts.values()))
+    parts["allocator cache"] = memory["reserved"] - memory["allocated"]
+    return parts
 
 
 def memory_and_traffic(ranks: list[dict], communication: list[dict], memory_bytes: float, title: str = ""):
     """Left: a stacked bar per rank (at most 16 drawn: the first of each stage and shard beyond that) of
-    parameters, gradients, optimizer state, activations and transient buffers in GiB, with the device's memory as
-    a line. Right: GiB this rank sends per step, per collective."""
+    parameters, gradients, optimizer state, activations, transient buffers and the allocator's cache in GiB (the
+    bar is the reserved memory), with the device's memory as a line. Right: GiB this rank sends per step, per
+    collective."""
     fig, (ax_m, ax_c) = new_figure(ncols=2, width=4.8, height=3.4)
     shown = ranks[:16]
     for x, row in enumerate(shown):

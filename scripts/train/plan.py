@@ -2,105 +2,63 @@
 #   notebooks/10_parallelism_planner.ipynb
 # In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
 # Copied into your project, it is yours to edit.
-"""Plan a parallel layout for the cookbook's GPT before renting the GPUs: bytes per rank, bytes on the wire per
-step, a step time, and the `torchrun` line of the training recipe that runs it.
+"""Plan a parallel layout for the recipe's Llama before renting the GPUs: memory per GPU (allocated, and reserved
+by the caching allocator), bytes on the wire per step, a step time, tokens/s and MFU, and the `torchrun` line of
+the training recipe that runs it.
+
+    python plan.py --model llama3-8b --gpus 64 --gpu H100-80GB --seq-len 8192 --batch 64
+    python plan.py --model llama3-70b --gpus 256 --gpu H100-80GB --seq-len 8192 --ac full
 
 Why a planner next to the recipe: "which layout for my model on my GPUs?" is answered by arithmetic that is easy to
 get almost right (ZeRO's 16 bytes per parameter, the Korthikanti et al. activation formula) and whose last 10 % is
 what decides whether a run fits: FSDP2 pads each parameter's dim 0, autocast keeps bf16 copies of the weights and
 casts a normed input once per projection, DTensor's sequence parallelism saves the all-gathered input of every
-column-wise projection, the loss keeps fp32 log-probabilities of the whole vocabulary. Every term here names the
-tensor it counts, so a notebook can hold it against what a run on the reader's machine holds and sends.
+column-wise projection, the loss's backward holds three fp32 tensors of the whole vocabulary, the caching allocator
+reserves more than it hands out. Every term here names the tensor it counts, so a notebook can hold it against what
+a run on the reader's machine holds and sends, and against published runs (notebook 10).
 
-Imports torch and the standard library only (torch only for `count_parameters`, on the meta device): copy it with
-the recipe. Conventions:
+Imports the standard library and config.py (the recipe's one model config and layout) at module level, the
+recipe's hardware.py (its datasheet table, torch-free) where a time is asked for, and torch only in
+`count_parameters`: copy it with the recipe.
+Conventions:
 - bytes are per rank; "held" counts the rank's own elements (a DTensor's local shard), "allocated" the storages
   behind them (FSDP2 keeps parameters and gradients in buffers padded to ceil(dim0 / N) rows on every rank);
-- a layout is (dp_replicate, dp_shard, tp, pp); ranks are numbered like `init_device_mesh` numbers a mesh of shape
-  (pp, dp_replicate, dp_shard, tp): tp fastest;
+- a layout is config.Layout (dp_replicate, dp_shard, tp, pp); ranks are numbered like `init_device_mesh` numbers
+  a mesh of shape (pp, dp_replicate, dp_shard, tp): tp fastest;
 - a step is `grad_accum` micro-batches of `batch_size` sequences of `seq_len` tokens on every data-parallel rank,
   run as the recipe (train.py, parallelize.py) runs it: FSDP2 reshards after forward and reduces every
   micro-batch, DDP reduces once per step, tensor parallelism is sequence-parallel with a parallel loss, a
   pipeline runs 1F1B with its stage's FSDP2 parameters gathered through the step;
 - what a run measured shaped the terms: notebook 10 holds each against the recipe on CPU ranks (and a GPU's
-  allocator where there is one), tests/test_plan.py against hand-worked cases and published formulas.
+  allocator where there is one) and against torchtitan's published runs, tests/test_plan.py against hand-worked
+  cases, published formulas and the same published runs.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass
+
+from config import MESH_DIMS, PRESETS, GPTConfig, Layout, preset, stage_layers
+
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-fsdp")
 OPTIMIZERS = {"adamw": 2, "sgd": 1}   # fp32 state tensors per parameter: Adam's two moments; SGD's momentum buffer
 CHECKPOINTING = ("none", "selective", "full", "alternate")   # the recipe's --ac
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")   # the recipe's mesh order, slowest first
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The GPT's shape: the fields of the recipe's `GPTConfig` (scripts/train/model.py) that decide its bytes."""
-
-    vocab_size: int = 256
-    dim: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
-    max_seq_len: int = 1024
-    mlp_ratio: int = 4
-
-    @property
-    def hidden(self) -> int:
-        return self.mlp_ratio * self.dim
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How many ranks along each mesh dimension; the world size is their product."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp(self) -> bool:
-        """The recipe applies FSDP2 when it shards, and for replicas beside tp or pp (HSDP with one shard)."""
-        return self.dp_shard > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
-
-    @property
-    def ddp(self) -> bool:
-        return self.dp_replicate > 1 and not self.fsdp
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """{mesh dim: this rank's index on it}, tp varying fastest (init_device_mesh's row-major order)."""
-        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
-        out = {}
-        for name in reversed(MESH_DIMS):
-            out[name] = rank % sizes[name]
-            rank //= sizes[name]
-        return out
-
-    def __str__(self) -> str:
-        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp}"
+# torchtitan's per-op policy: like the recipe's "selective" (keep matmul and attention outputs, recompute the rest),
+# but every second matmul of a block is recomputed too, and a reduce-scatter's output is kept
+TORCHTITAN_SELECTIVE = "selective-torchtitan"
+GB, GIB = 1e9, 2 ** 30
 
 
 @dataclass(frozen=True)
 class Training:
-    """What one optimizer step does on every data-parallel rank, and how."""
+    """What one optimizer step does on every data-parallel rank, and how. `compile`: each block torch.compile'd
+    (the recipe's default on GPUs); `fused_rms_norm`: CUDA's rms_norm is one kernel, torch 2.13's CPU path composes
+    it (see `layer_activations`)."""
 
     seq_len: int = 1024
     batch_size: int = 8          # sequences per micro-batch per data-parallel rank
@@ -108,71 +66,142 @@ class Training:
     optimizer: str = "adamw"
     precision: str = "fp32"
     checkpointing: str = "none"
-    fused_rms_norm: bool = True  # CUDA's rms_norm is one kernel; torch 2.13's CPU path composes it (see below)
+    fused_rms_norm: bool = True
+    compile: bool = False
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, not {self.optimizer!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {self.precision!r}")
-        if self.checkpointing not in CHECKPOINTING:
-            raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, not {self.checkpointing!r}")
+        if self.checkpointing not in CHECKPOINTING + (TORCHTITAN_SELECTIVE,):
+            raise ValueError(f"checkpointing must be one of {CHECKPOINTING + (TORCHTITAN_SELECTIVE,)}, not "
+                             f"{self.checkpointing!r}")
 
 
 @dataclass(frozen=True)
-class Ceilings:
-    """The rates a step time is estimated from: measured on the reader's machine (notebook 10), or a datasheet's.
+class GPU:
+    """What a step time and a fit need of a GPU besides its datasheet FLOP/s (hardware.py's table, looked up by
+    `device`): the memory torch can use, the HBM rate, the SM count (matmul tiles fill waves of them), the links."""
 
-    matmul: FLOP/s of a large matmul per compute dtype ("fp32", "bf16"); busbw: bytes/s a collective reaches as
-    nccl-tests' bus bandwidth (ring: all-reduce moves 2(n-1)/n of its buffer per rank, all-gather and reduce-scatter
-    (n-1)/n), "intra" inside a node, "inter" between nodes; copy: bytes/s of a device memory copy (each byte counted
-    once); latency: seconds per collective call, the fixed cost.
-    """
-
-    matmul: dict = field(default_factory=lambda: {"fp32": 1e12, "bf16": 1e12})
-    busbw: dict = field(default_factory=lambda: {"intra": 10 * GB, "inter": 10 * GB})
-    copy: float = 10 * GB
-    latency: float = 20e-6
+    device: str            # the name torch reports (hardware.datasheet_peak matches it)
+    memory: float          # bytes: torch.cuda.get_device_properties(...).total_memory
+    hbm: float             # bytes/s, datasheet
+    sms: int
+    nvlink: float          # bytes/s per GPU per direction inside a node
+    network: float         # bytes/s per GPU between nodes
+    attention_efficiency: float   # fused attention's share of the datasheet FLOP/s (see ATTENTION_SOURCES)
     gpus_per_node: int = 8
-    source: str = "placeholder"
+    source: str = ""
 
 
-# Datasheet figures for planning on hardware this machine does not have (dense, no sparsity). A plan made from them
-# is a ranking, not a promise: notebook 10 replaces them with what it measures. Bus bandwidths are about 80 % of the
-# link's rate per direction, what nccl-tests typically reaches; bf16 matmuls reach about 70 % of the datasheet rate.
-DATASHEETS = {
-    "H100-SXM-80GB": Ceilings(matmul={"fp32": 0.7 * 67e12, "bf16": 0.7 * 989e12}, busbw={"intra": 360 * GB,
-                              "inter": 40 * GB}, copy=3.35e12 / 2 * 0.9, latency=30e-6, source="H100 SXM datasheet"),
-    "A100-SXM-80GB": Ceilings(matmul={"fp32": 0.7 * 19.5e12, "bf16": 0.7 * 312e12}, busbw={"intra": 230 * GB,
-                              "inter": 20 * GB}, copy=2.0e12 / 2 * 0.9, latency=30e-6, source="A100 SXM datasheet"),
+GPUS = {
+    "H100-80GB": GPU("NVIDIA H100 80GB HBM3", 79.18 * GIB, 3.35e12, 132, 450e9, 50e9, 0.35,
+                     source="H100 SXM datasheet (3.35 TB/s, NVLink 900 GB/s both ways), 400 Gb/s per GPU between "
+                            "nodes (DGX H100); 79.18 GiB as torchtitan logs it"),
+    "H100-96GB-500W": GPU("NVIDIA H100 96GB HBM2e (500 W)", 95.0396 * GIB, 2.4e12, 132, 450e9, 50e9, 0.35,
+                          source="torchtitan's Grand Teton hosts as benchmarks/llama3_h100_202412_torchtitan.md "
+                                 "states them (96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s per GPU); 95.0396 GiB as "
+                                 "torchtitan PR #165 states it"),
+    "H200": GPU("NVIDIA H200", 139.81 * GIB, 4.8e12, 132, 450e9, 50e9, 0.35,
+                source="H200 SXM datasheet (4.8 TB/s, NVLink 900 GB/s), 400 Gb/s per GPU; 139.81 GiB as torchtitan "
+                       "logs it"),
+    "A100-80GB": GPU("NVIDIA A100-SXM4-80GB", 79.25 * GIB, 2.039e12, 108, 300e9, 25e9, 0.50,
+                     source="A100 80GB SXM datasheet (2,039 GB/s, NVLink 600 GB/s both ways), 200 Gb/s per GPU "
+                            "between nodes (DGX A100); 79.25 GiB as torch reports it"),
 }
-MEMORY_PRESETS_GB = (24, 40, 80, 141)
+# The rates a datasheet does not give, each from a named measurement (none is fitted to the runs notebook 10 compares):
+# - a large bf16 matmul reaches 701.1 of the H200's 989.4 dense TFLOP/s: notebook 05 on one H200, docs/measurements.md
+#   (2026-11-26, 8192^3); applied to every GPU's datasheet figure unless `--matmul-tflops` gives the reader's own;
+# - a device copy moves 2 x 2085 GB/s of the H200's 4.8 TB/s (read and write): notebook 01b, same run;
+# - fused attention (PyTorch's flash kernels are FlashAttention-2's) reaches 35 % of an H100 (FlashAttention-3 paper,
+#   arXiv 2407.08608, on FlashAttention-2) and 50 % of an A100 (FlashAttention-2 paper, arXiv 2307.08691: 50-73 %;
+#   the low end, as the backward, 2.5 times the forward's FLOPs, is the slower pass);
+# - collectives reach 80 % of a link's rate as nccl-tests' bus bandwidth.
+MEASURED_MATMUL = (701.1e12, "NVIDIA H200", "notebook 05 on one H200 (docs/measurements.md, 2026-11-26)")
+MEMORY_EFFICIENCY = 2 * 2085e9 / 4.8e12
+BUS_EFFICIENCY = 0.8
+ATTENTION_SOURCES = "FlashAttention-2 on H100: 35 % (arXiv 2407.08608); on A100: 50-73 % (arXiv 2307.08691)"
+
+
+def datasheet_flops(device: str, dtype: str = "bf16") -> tuple[float, str]:
+    """(dense FLOP/s, source) of `device` in `dtype`, from the recipe's one datasheet table (hardware.py)."""
+    import hardware
+
+    found = hardware.datasheet_peak(device, dtype)
+    if found is None:
+        raise ValueError(f"no datasheet row for {device!r} in hardware.py")
+    return found
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The rates a step time is made of: matmul FLOP/s of a large matmul in the compute dtype (smaller shapes lose
+    tiles and waves of `sms`; 0: no such loss), fused attention's FLOP/s (FlashAttention-2's count: the backward is
+    2.5 forwards), bytes/s of elementwise traffic (read + write), collectives' bus bandwidth inside and between
+    nodes, the fixed cost of a call; `sources` says where each came from."""
+
+    matmul: float
+    attention: float
+    memory: float
+    intra: float
+    inter: float
+    latency: float = 30e-6
+    gpus_per_node: int = 8
+    sms: int = 0
+    sources: tuple = ()
+
+
+def gpu_rates(gpu: GPU, dtype: str = "bf16", matmul: float | None = None) -> Rates:
+    """A GPU's rates: datasheet x the measured efficiencies above, or the reader's own large-matmul FLOP/s."""
+    peak, peak_source = datasheet_flops(gpu.device, dtype)
+    ref_peak = datasheet_flops(MEASURED_MATMUL[1], "bf16")[0]
+    mm = matmul if matmul else peak * MEASURED_MATMUL[0] / ref_peak
+    mm_source = "the reader's measurement" if matmul else \
+        f"{MEASURED_MATMUL[0] / ref_peak:.1%} of the datasheet, as {MEASURED_MATMUL[2]} measured"
+    return Rates(mm, gpu.attention_efficiency * peak, MEMORY_EFFICIENCY * gpu.hbm, BUS_EFFICIENCY * gpu.nvlink,
+                 BUS_EFFICIENCY * gpu.network, 30e-6, gpu.gpus_per_node, gpu.sms,
+                 (f"matmul {mm / 1e12:.0f} TFLOP/s: {mm_source} ({peak_source})",
+                  f"attention {gpu.attention_efficiency:.0%} of the datasheet: {ATTENTION_SOURCES}",
+                  f"memory {MEMORY_EFFICIENCY:.0%} of {gpu.hbm / 1e12:.2f} TB/s: notebook 01b's copy rate on an H200",
+                  f"links {BUS_EFFICIENCY:.0%} of {gpu.nvlink / GB:.0f} GB/s in a node, {gpu.network / GB:.0f} GB/s "
+                  f"between nodes: {gpu.source}"))
 
 
 # ----------------------------------------------------------------------------------------------- the parameters
 
-def parameter_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...], int | None]]:
+def _block_shapes(cfg: GPTConfig, i: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """Block i's parameters: (name, shape, tensor-parallel shard dim or None)."""
+    d, h, hd, p = cfg.dim, cfg.hidden, cfg.head_dim, f"layers.{i}."
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    return [(p + "attention_norm.weight", (d,), None),
+            (p + "attention.wq.weight", (q, d), 0), (p + "attention.wk.weight", (kv, d), 0),
+            (p + "attention.wv.weight", (kv, d), 0), (p + "attention.wo.weight", (d, q), 1),
+            (p + "ffn_norm.weight", (d,), None), (p + "feed_forward.w1.weight", (h, d), 0),
+            (p + "feed_forward.w3.weight", (h, d), 0), (p + "feed_forward.w2.weight", (d, h), 1)]
+
+
+def _ends(cfg: GPTConfig) -> tuple[list, list]:
+    """(the first stage's parameters before the blocks, the last stage's after them); a tied output is the
+    embedding: one parameter."""
+    d, v = cfg.dim, cfg.vocab_size
+    return [("tok_embeddings.weight", (v, d), 0)], \
+        [("norm.weight", (d,), None)] + ([] if cfg.tie_embeddings else [("output.weight", (v, d), 0)])
+
+
+def parameter_shapes(cfg: GPTConfig) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(name, shape, tensor-parallel shard dim or None) of every parameter, in the model's order.
 
-    The tp dims are the recipe's plan (parallelize.apply_tp): both embeddings row-wise (their rows split),
-    wq/wk/wv/w1 and the output column-wise (their weight's dim 0), wo/w2 row-wise (dim 1), norms replicated.
+    The tp dims are the recipe's plan (tp.apply_tp): the embedding row-wise over the vocabulary, wq/wk/wv/w1/w3 and
+    the output column-wise (their weight's dim 0), wo/w2 row-wise (dim 1), norms replicated.
     """
-    d, h, v = model.dim, model.hidden, model.vocab_size
-    shapes = [("tok_embeddings.weight", (v, d), 0), ("pos_embeddings.weight", (model.max_seq_len, d), 0)]
-    for i in range(model.n_layers):
-        p = f"layers.{i}."
-        shapes += [(p + "attention_norm.weight", (d,), None),
-                   (p + "attention.wq.weight", (d, d), 0), (p + "attention.wk.weight", (d, d), 0),
-                   (p + "attention.wv.weight", (d, d), 0), (p + "attention.wo.weight", (d, d), 1),
-                   (p + "ffn_norm.weight", (d,), None),
-                   (p + "feed_forward.w1.weight", (h, d), 0), (p + "feed_forward.w2.weight", (d, h), 1)]
-    shapes += [("norm.weight", (d,), None), ("output.weight", (v, d), 0)]
-    return shapes
+    first, last = _ends(cfg)
+    return first + [s for i in range(cfg.n_layers) for s in _block_shapes(cfg, i)] + last
 
 
-def parameter_count(model: ModelConfig) -> int:
-    """P = V*D + S*D + L*(4*D^2 + 2*D*H + 2*D) + D + D*V (the model's formula, summed from its shapes)."""
-    return sum(math.prod(shape) for _, shape, _ in parameter_shapes(model))
+def parameter_count(cfg: GPTConfig) -> int:
+    """Every parameter, summed from the shapes (config.GPTConfig.num_params gives the same by formula)."""
+    return sum(math.prod(shape) for _, shape, _ in parameter_shapes(cfg))
 
 
 def count_parameters(build_model) -> int:
@@ -189,41 +218,44 @@ def _chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-def stage_layers(model: ModelConfig, pp: int, stage: int) -> range:
-    """The layers pipeline stage `stage` owns: an equal, contiguous share (the recipe requires L divisible by pp)."""
-    per = model.n_layers // pp
-    return range(stage * per, (stage + 1) * per)
-
-
-def stage_parameters(model: ModelConfig, layout: Layout, stage: int) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """The parameters of pipeline stage `stage` (embeddings on the first, norm and output on the last)."""
-    layers = {str(i) for i in stage_layers(model, layout.pp, stage)}
-    out = []
-    for name, shape, tp_dim in parameter_shapes(model):
-        if name.startswith("layers."):
-            keep = name.split(".")[1] in layers
-        elif name.startswith(("tok_embeddings", "pos_embeddings")):
-            keep = stage == 0
-        else:
-            keep = stage == layout.pp - 1
-        if keep:
-            out.append((name, shape, tp_dim))
+def coordinates(layout: Layout, rank: int) -> dict[str, int]:
+    """{mesh dim: `rank`'s index on it}, tp varying fastest (init_device_mesh's row-major order of MESH_DIMS)."""
+    out = {}
+    for name in reversed(MESH_DIMS):
+        size = getattr(layout, name)
+        out[name] = rank % size
+        rank //= size
     return out
+
+
+def layout_name(layout: Layout) -> str:
+    return f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp} pp={layout.pp}"
+
+
+def stage_groups(cfg: GPTConfig, layout: Layout, stage: int) -> list[tuple[str, list, int]]:
+    """Pipeline stage `stage`'s parameters as FSDP2 groups the recipe makes (`fully_shard` per block, the rest in
+    the root): (name, its parameters, how many alike), the blocks (config.stage_layers, torchtitan's uneven split)
+    as one template counted, then the root (the embedding on the first stage, the final norm and output on the
+    last)."""
+    blocks = stage_layers(cfg.n_layers, layout.pp, stage)
+    first, last = _ends(cfg)
+    root = (first if stage == 0 else []) + (last if stage == layout.pp - 1 else [])
+    groups = [("layers", _block_shapes(cfg, blocks[0]), len(blocks))] if len(blocks) else []
+    return groups + ([("root", root, 1)] if root else [])
+
+
+def stage_parameters(cfg: GPTConfig, layout: Layout, stage: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """The parameters of pipeline stage `stage`: the embedding on the first, its blocks, the final norm and output
+    on the last."""
+    first, last = _ends(cfg)
+    return ((first if stage == 0 else []) + [s for i in stage_layers(cfg.n_layers, layout.pp, stage)
+                                             for s in _block_shapes(cfg, i)] + (last if stage == layout.pp - 1 else []))
 
 
 def tp_local_shape(shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: int) -> tuple[int, ...]:
     if tp_dim is None or tp == 1:
         return shape
     return tuple(_chunk(n, tp, tp_rank) if i == tp_dim else n for i, n in enumerate(shape))
-
-
-def fsdp_groups(names: list[str]) -> dict[str, list[str]]:
-    """The recipe's FSDP2 groups: one per transformer block (`fully_shard(block)`), the rest in the root."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        key = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
-        groups.setdefault(key, []).append(name)
-    return dict(sorted(groups.items(), key=lambda kv: kv[0] == "root"))
 
 
 def recipe_precision(dtype: str, layout: Layout) -> str:
@@ -247,7 +279,7 @@ def _dtype_bytes(precision: str) -> dict[str, int]:
     return {"param": 4, "grad": 4, "gathered": 2, "residual": 2, "matmul": 2, "reduce": 4}
 
 
-def model_state(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict:
+def model_state(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> dict:
     """Bytes of parameters, gradients and optimizer state on `rank`, held and allocated (FSDP2 padding included).
 
     FSDP2 (dp_shard > 1) shards each parameter's dim 0 over dp_shard with torch.chunk (after tp has taken its part:
@@ -255,21 +287,22 @@ def model_state(model: ModelConfig, train: Training, layout: Layout, rank: int) 
     buffer of ceil(dim0 / dp_shard) rows (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `_init_sharded_param`:
     `padded_sharded_size = chunks[0].size()`); the gradient arrives in the same padded layout. The optimizer's state
     is `zeros_like` the unpadded local shard. DDP (dp_shard = 1) holds every parameter of its stage whole.
-    Under tensor parallelism without FSDP2 the row-wise embeddings' gradients come back whole on every tp rank
-    (DTensor's embedding backward; measured in notebook 10), twice their sharded size at tp = 2; FSDP2's
-    reduce-scatter returns them sharded.
+    Under tensor parallelism without FSDP2 the row-wise embedding's gradient comes back whole on every tp rank
+    (DTensor's embedding backward; measured in notebook 10), twice its sharded size at tp = 2; FSDP2's
+    reduce-scatter returns it sharded. Buffers (the rotary tables) are not model state: see `rope_tables_bytes`.
     """
-    c = layout.coordinates(rank)
+    c = coordinates(layout, rank)
     b = _dtype_bytes(train.precision)
     shard = layout.dp_shard if layout.fsdp else 1
     held = padded = whole_grads = 0
-    for name, shape, tp_dim in stage_parameters(model, layout, c["pp"]):
-        local = tp_local_shape(shape, tp_dim, layout.tp, c["tp"])
-        rest = math.prod(local[1:])
-        held += _chunk(local[0], shard, c["dp_shard"]) * rest
-        padded += -(-local[0] // shard) * rest
-        if layout.tp > 1 and not layout.fsdp and "embeddings" in name:
-            whole_grads += math.prod(shape) - math.prod(local)
+    for _, params, count in stage_groups(cfg, layout, c["pp"]):
+        for name, shape, tp_dim in params:
+            local = tp_local_shape(shape, tp_dim, layout.tp, c["tp"])
+            rest = math.prod(local[1:])
+            held += count * _chunk(local[0], shard, c["dp_shard"]) * rest
+            padded += count * -(-local[0] // shard) * rest
+            if layout.tp > 1 and not layout.fsdp and name.startswith("tok_embeddings"):
+                whole_grads += math.prod(shape) - math.prod(local)
     states = OPTIMIZERS[train.optimizer]
     return {
         "elements": held, "padded_elements": padded,
@@ -280,52 +313,62 @@ def model_state(model: ModelConfig, train: Training, layout: Layout, rank: int) 
     }
 
 
+def rope_tables_bytes(cfg: GPTConfig) -> int:
+    """The rotary tables every stage keeps as buffers: cos and sin, max_seq_len x head_dim / 2 each, float32."""
+    return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
+
+
 # ---------------------------------------------------------------------------------------------- the activations
 
-def layer_activations(model: ModelConfig, train: Training, tp: int) -> dict[str, float]:
+def layer_activations(cfg: GPTConfig, train: Training, tp: int) -> dict[str, float]:
     """Bytes autograd keeps for backward in one transformer block for one micro-batch, by tensor (no checkpointing).
 
     Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer Models", count
-    s*b*h*(34 + 5*a*s/h) bytes per layer in fp16 (with tp and sequence parallelism t: s*b*h*(34/t + 5*a*s/(h*t))).
-    Their 34 holds dropout masks (3 sbh bytes), LayerNorm and a 4h GELU MLP; their 5as/h the s^2 attention scores.
-    This model has no dropout, RMSNorm, and attention by `F.scaled_dot_product_attention`, whose flash and
-    memory-efficient kernels keep q, k, v, the output and one log-sum-exp per row, never the s x s scores; so the
-    terms below, one per saved tensor. Under tp the recipe's sequence parallelism splits the residual stream along
-    the sequence, but DTensor saves the all-gathered (whole) input of every column-wise projection: the two
-    "gathered" terms do not shrink with tp (Megatron keeps the shard and gathers again in backward; DTensor does not).
-    Under bf16 autocast the normed input is cast to bf16 once per projection it feeds (autocast caches casts of
-    weights, not of activations): three copies for wq, wk, wv. RMSNorm: on CUDA `rms_norm` is one fused kernel
-    that keeps its input and one fp32 rstd per row; torch 2.13 on the CPU composes it of pow, mean, rsqrt and mul
-    on an fp32 copy of its input, and keeps that copy and x * rstd, both fp32 (`Training.fused_rms_norm=False`).
+    s*b*h*(34 + 5*a*s/h) bytes per layer in fp16 for a GPT (LayerNorm, a 4h GELU MLP, dropout, stored s^2 scores).
+    This Llama has no dropout, RMSNorm, rotary positions, grouped-query attention, a SwiGLU feed-forward, and
+    attention by `F.scaled_dot_product_attention`, whose flash kernels keep q, k, v, the output and one log-sum-exp
+    per row and head, never the s x s scores; so the terms below, one per saved tensor:
+    - the rotation multiplies float32 pairs by cos and sin, which need no gradient: autograd keeps cos and sin
+      (slices of the root's buffers; see `rope_activations`), not the pairs, and the rotated q is cast back;
+    - grouped-query attention's k and v are repeated (`repeat_interleave`) to every query head before attention,
+      which keeps the repeated ones: n_heads x head_dim = dim each, whatever n_kv_heads is;
+    - SwiGLU keeps w1's output (silu's input), silu's output and w3's output (the product's inputs), and the product
+      (w2's input): four tensors of the hidden width.
+    Under tp the recipe's sequence parallelism splits the residual stream along the sequence, but DTensor saves the
+    all-gathered (whole) input of every column-wise projection: the two "gathered" terms do not shrink with tp
+    (Megatron keeps the shard and gathers again in backward; DTensor does not). Under bf16 autocast the normed input
+    is cast to bf16 once per projection it feeds (autocast caches casts of weights, not of activations): three
+    copies for wq, wk, wv and two for w1, w3. RMSNorm: on CUDA `rms_norm` is one fused kernel that keeps its input
+    and one fp32 rstd per row; torch 2.13 on the CPU composes it of pow, mean, rsqrt and mul on an fp32 copy of its
+    input, and keeps that copy and x * rstd, both fp32 (`Training.fused_rms_norm=False`).
     """
     b = _dtype_bytes(train.precision)
     n = train.batch_size * train.seq_len                 # tokens of one micro-batch
-    d, hidden, heads = model.dim, model.hidden, model.n_heads
-    casts_qkv = 3 if train.precision == "bf16-autocast" else 1
+    d, hidden, heads, mat = cfg.dim, cfg.hidden, cfg.n_heads, b["matmul"]
+    autocast = train.precision == "bf16-autocast"
     norm_in = b["residual"] if train.fused_rms_norm else 4     # the composite upcasts its input to fp32 first
     terms = {
         "norm inputs (x, h)": 2 * n * d * norm_in / tp,
         "norm rstd": 2 * n * 4 / tp,
-        "attention input, gathered (q/k/v projections)": casts_qkv * n * d * b["matmul"],
-        "q, k, v": 3 * n * d * b["matmul"] / tp,
-        "attention output": n * d * b["matmul"] / tp,
+        "attention input, gathered (wq, wk, wv)": (3 if autocast else 1) * n * d * mat,
+        "q rotated, k and v repeated": 3 * n * d * mat / tp,
+        "attention output": n * d * mat / tp,
         "attention log-sum-exp": n * heads * 4 / tp,
-        "mlp input, gathered (w1)": n * d * b["matmul"],
-        "mlp hidden before GELU": n * hidden * b["matmul"] / tp,
-        "mlp hidden after GELU (w2 input)": n * hidden * b["matmul"] / tp,
+        "feed-forward input, gathered (w1, w3)": (2 if autocast else 1) * n * d * mat,
+        "SwiGLU: w1 and w3 outputs, silu, product": 4 * n * hidden * mat / tp,
     }
     if not train.fused_rms_norm:
         terms["norm x * rstd (composite RMSNorm, fp32)"] = 2 * n * d * 4 / tp
     return terms
 
 
-def head_activations(model: ModelConfig, train: Training, tp: int) -> dict[str, float]:
+def head_activations(cfg: GPTConfig, train: Training, tp: int) -> dict[str, float]:
     """Bytes kept outside the blocks for one micro-batch on the last stage: the final norm's input, the output
     projection's (gathered) input, the loss's fp32 log-probabilities over the vocabulary (split by tp under loss
     parallelism) and its int64 targets."""
     b = _dtype_bytes(train.precision)
     n = train.batch_size * train.seq_len
-    d, v = model.dim, model.vocab_size
+    d, v = cfg.dim, cfg.vocab_size
     norm = (n * d * b["residual"] if train.fused_rms_norm else 2 * n * d * 4) / tp
     return {
         "final norm input": norm + n * 4 / tp,
@@ -336,8 +379,18 @@ def head_activations(model: ModelConfig, train: Training, tp: int) -> dict[str, 
 
 
 def embedding_activations(train: Training) -> dict[str, float]:
-    """The token ids and the positions the embeddings keep for their backward (int64)."""
-    return {"token ids": train.batch_size * train.seq_len * 8, "positions": train.seq_len * 8}
+    """The token ids the embedding keeps for its backward (int64); Llama has no position embedding."""
+    return {"token ids": train.batch_size * train.seq_len * 8}
+
+
+def rope_activations(cfg: GPTConfig, train: Training, layout: Layout) -> dict[str, float]:
+    """What the rotation's cos and sin cost per block and micro-batch: nothing new where the blocks take slices of
+    the root's float32 buffers (autograd keeps the buffers' storage, `rope_tables_bytes`, already held); under
+    FSDP2's bf16 policy every block's forward casts its floating-point inputs to bf16 (`cast_forward_inputs`), so
+    each block keeps its own bf16 copies of the two slices (seq_len x head_dim / 2 each)."""
+    if train.precision != "bf16-fsdp":
+        return {"per block": 0.0, "buffers saved": float(rope_tables_bytes(cfg))}
+    return {"per block": 2 * train.seq_len * (cfg.head_dim // 2) * 2.0, "buffers saved": 0.0}
 
 
 def in_flight_microbatches(layout: Layout, train: Training, stage: int, schedule: str = "1f1b") -> int:
@@ -350,117 +403,181 @@ def in_flight_microbatches(layout: Layout, train: Training, stage: int, schedule
     return min(layout.pp - stage, train.grad_accum)
 
 
-def selective_block(model: ModelConfig, train: Training, tp: int) -> dict[str, float]:
-    """What the recipe's per-op selective checkpointing keeps of one block: its input, and the outputs of the
-    matmuls and of attention (its policy's MUST_SAVE ops); norms, GELU and adds are recomputed, and so are
-    autocast's casts. Row-wise projections (wo, w2) output a partial sum over the whole sequence before their
-    reduce-scatter, so under tp their outputs do not shrink."""
+def selective_block(cfg: GPTConfig, train: Training, tp: int) -> dict[str, float]:
+    """What per-op selective checkpointing keeps of one block: its input, and the outputs of the ops its policy
+    must save; everything else (norms, rotations, repeats, silu, the product, adds, autocast's casts) is recomputed.
+
+    The recipe's policy ("selective", ac.py) saves every matmul's output and attention's; torchtitan's
+    (`TORCHTITAN_SELECTIVE`: `_save_list` and `_custom_policy` in torchtitan/parallelisms/parallelize_llama.py at
+    9dec370, today torchtitan/distributed/activation_checkpoint.py) counts a block's matmuls and recomputes every
+    second one (wk, wo, w3 of wq, wk, wv, wo, w1, w3, w2), and saves a reduce-scatter's output (under tp: wo's and
+    w2's, sequence-split). Row-wise projections (wo, w2) output a partial sum over the whole sequence before their
+    reduce-scatter, so under tp their outputs do not shrink. Eager checkpointing keeps what its policy names even
+    where no backward reads it (wo's and w2's outputs feed only the residual adds); torch.compile's partitioner keeps
+    only what the backward needs, so a compiled block leaves those out (`Training.compile`).
+    """
     b = _dtype_bytes(train.precision)
     n = train.batch_size * train.seq_len
-    d, hidden = model.dim, model.hidden
-    return {
-        "block input": n * d * b["residual"] / tp,
-        "q, k, v (wq, wk, wv outputs)": 3 * n * d * b["matmul"] / tp,
-        "attention output and log-sum-exp": n * d * b["matmul"] / tp + n * model.n_heads * 4 / tp,
-        "wo and w2 outputs (partial sums)": 2 * n * d * b["matmul"],
-        "w1 output": n * hidden * b["matmul"] / tp,
-    }
+    d, hidden, kv, mat = cfg.dim, cfg.hidden, cfg.n_kv_heads * cfg.head_dim, b["matmul"]
+    titan = train.checkpointing == TORCHTITAN_SELECTIVE
+    terms = {"block input": n * d * b["residual"] / tp,
+             "wq output": n * d * mat / tp,
+             "wk output": 0.0 if titan else n * kv * mat / tp,
+             "wv output": n * kv * mat / tp,
+             "attention output and log-sum-exp": n * d * mat / tp + n * cfg.n_heads * 4 / tp,
+             "w1 output": n * hidden * mat / tp,
+             "w3 output": 0.0 if titan else n * hidden * mat / tp}
+    unread = {"wo output (partial sum)": 0.0 if titan else n * d * mat, "w2 output (partial sum)": n * d * mat}
+    if titan and tp > 1:
+        unread["wo and w2 outputs, reduce-scattered"] = 2 * n * d * mat / tp
+    if not train.compile:
+        terms.update(unread)
+    return {k: v for k, v in terms.items() if v}
 
 
-def activations(model: ModelConfig, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
+def checkpointed_blocks(cfg: GPTConfig, train: Training, blocks: list[int]) -> list[int]:
+    """The blocks whose forward runs under torch.utils.checkpoint: all of them ("full", "selective"), the even ones
+    ("alternate", as ac.apply_ac skips the odd), none."""
+    if train.checkpointing == "none":
+        return []
+    if train.checkpointing == "alternate":
+        return [i for i in blocks if i % 2 == 0]
+    return list(blocks)
+
+
+def activations(cfg: GPTConfig, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
     """Activation bytes a rank keeps at its peak (the end of a forward, before the backward frees them), by term.
 
     Checkpointing, as the recipe's --ac: "full" keeps each block's input only (the residual stream,
     sequence-split under tp) and recomputes one block at a time in backward, so one block's activations come back
-    at once; "selective" keeps what `selective_block` lists; "alternate" checkpoints every other block whole
-    (blocks 0, 2, 4, ...) and keeps everything of the others. (Korthikanti's selective recomputation recomputes
-    the s^2 attention scores only; flash attention never stores them, so here it would save nothing.)
+    at once ("recompute"); "selective" (and torchtitan's policy) keeps what `selective_block` lists; "alternate"
+    checkpoints every other block whole and keeps everything of the others. (Korthikanti's selective recomputation
+    recomputes the s^2 attention scores only; flash attention never stores them, so here it would save nothing.)
 
     Under bf16 autocast the bf16 copies of the stage's matmul weights (`autocast_weight_copies`) are kept once,
     whatever the checkpointing: autocast caches each cast of a weight until its context exits, and the recipe's
     context spans the forward and the backward (a pipeline's, the whole step). "kept" is every micro-batch in
-    flight plus that cache; "per_microbatch" leaves the cache out.
+    flight plus that cache; "per_microbatch" leaves the cache out; "buffers_saved" is the rotary tables' storage
+    autograd also keeps, a buffer the stage holds anyway (in no "kept").
     """
-    c = layout.coordinates(rank)
+    c = coordinates(layout, rank)
     tp, stage = layout.tp, c["pp"]
-    blocks_here = list(stage_layers(model, layout.pp, stage))
-    casts = autocast_weight_copies(model, train, layout, rank)
-    one = sum(layer_activations(model, train, tp).values())
+    blocks = list(stage_layers(cfg.n_layers, layout.pp, stage))
+    casts = autocast_weight_copies(cfg, train, layout, rank)
+    layer = layer_activations(cfg, train, tp)
+    one = sum(layer.values())
+    rope = rope_activations(cfg, train, layout)
     n = train.batch_size * train.seq_len
-    kept_input = n * model.dim * _dtype_bytes(train.precision)["residual"] / tp
-    ac = train.checkpointing
-    if ac == "none":
-        blocks, recompute = len(blocks_here) * one, 0.0
-    elif ac == "full":
-        blocks, recompute = len(blocks_here) * kept_input, one if blocks_here else 0.0
-    elif ac == "selective":
-        blocks, recompute = len(blocks_here) * sum(selective_block(model, train, tp).values()), \
-            (one - sum(selective_block(model, train, tp).values()) + kept_input) if blocks_here else 0.0
+    kept_input = n * cfg.dim * _dtype_bytes(train.precision)["residual"] / tp
+    checkpointed = checkpointed_blocks(cfg, train, blocks)
+    if train.checkpointing in ("selective", TORCHTITAN_SELECTIVE):
+        kept = selective_block(cfg, train, tp)
+        per_checkpointed = sum(kept.values())
+        reused = layer["attention output"] + layer["attention log-sum-exp"] + \
+            layer["SwiGLU: w1 and w3 outputs, silu, product"] / 4 * (1 if "w3 output" not in kept else 2)
+        recompute = one - reused
     else:
-        checkpointed = sum(1 for i in blocks_here if i % 2 == 0)
-        blocks = checkpointed * kept_input + (len(blocks_here) - checkpointed) * one
-        recompute = one if checkpointed else 0.0
-    terms = {"blocks": blocks}
+        per_checkpointed, recompute = kept_input, one
+    terms = {"blocks": (len(blocks) - len(checkpointed)) * one + len(checkpointed) * per_checkpointed
+             + len(blocks) * rope["per block"]}
     if stage == 0:
         terms["embedding"] = sum(embedding_activations(train).values())
     if stage == layout.pp - 1:
-        terms["head"] = sum(head_activations(model, train, tp).values())
+        terms["head"] = sum(head_activations(cfg, train, tp).values())
     micro = in_flight_microbatches(layout, train, stage, schedule)
     per_micro = sum(terms.values())
-    cache = casts["block"] * len(blocks_here) + casts["head"]
+    cache = casts["block"] * len(blocks) + casts["head"]
     return {"per_microbatch": per_micro, "in_flight": micro, "autocast_cache": cache,
-            "kept": per_micro * micro + cache, "recompute": recompute, "terms": terms}
+            "kept": per_micro * micro + cache, "recompute": recompute if checkpointed else 0.0, "terms": terms,
+            "buffers_saved": rope["buffers saved"] if blocks else 0.0}
 
 
-def autocast_weight_copies(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
+def autocast_weight_copies(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
     """bf16 copies of the matmul weights that autocast makes in forward and caches until its context exits (2 bytes
     each, the rank's tp shard): {"block": one block's, "head": the output projection's on the last stage}. (The
     recipe autocasts only where FSDP2 is not applied, so these are whole local weights.)"""
     if train.precision != "bf16-autocast":
         return {"block": 0.0, "head": 0.0}
-    c = layout.coordinates(rank)
-    d, hidden, tp = model.dim, model.hidden, layout.tp
-    head = 2 * model.vocab_size * d / tp if c["pp"] == layout.pp - 1 else 0.0
-    return {"block": 2 * (4 * d * d + 2 * d * hidden) / tp, "head": head}
+    c = coordinates(layout, rank)
+    d, hidden, kv, tp = cfg.dim, cfg.hidden, cfg.n_kv_heads * cfg.head_dim, layout.tp
+    head = 2 * cfg.vocab_size * d / tp if c["pp"] == layout.pp - 1 else 0.0
+    return {"block": 2 * (2 * d * d + 2 * d * kv + 3 * d * hidden) / tp, "head": head}
 
 
-def _group_elements(model: ModelConfig, layout: Layout, rank: int) -> dict[str, int]:
-    """{FSDP group: elements of one rank's padded shard} on `rank`'s stage (the all-gather output is dp_shard x
-    this; the reduce-scatter input too)."""
-    c = layout.coordinates(rank)
-    params = stage_parameters(model, layout, c["pp"])
-    shard = layout.dp_shard
-    out = {}
-    for group, names in fsdp_groups([n for n, _, _ in params]).items():
-        shapes = [tp_local_shape(s, d, layout.tp, c["tp"]) for n, s, d in params if n in names]
-        out[group] = sum(-(-s[0] // shard) * math.prod(s[1:]) for s in shapes)
-    return out
+# ------------------------------------------------------------------------------------------ memory a GPU reports
+
+# The caching allocator reserves more than it hands out: it keeps freed blocks for reuse, rounds requests up, and a
+# request that fits no cached block takes a new segment. The model here: reserved = allocated x (1 + overhead), the
+# overhead read off runs that published both figures: torchtitan PR #165 (FSDP2, Llama on 8 H100s, local batch 8,
+# sequence 2048, eager) logged 23.92 % of 95.0396 GiB peak active and 32.64 % peak reserved with full
+# checkpointing, 52.13 % and 62.51 % with per-op selective checkpointing. Full checkpointing's is used for "full",
+# the selective one for every other mode (no run published the others). One number per mode, from one run: a
+# stated model, not a law; notebook 10 prints a GPU's own ratio where it runs on one.
+ALLOCATOR_RUNS = {"full": (23.92, 32.64), "selective": (52.13, 62.51)}   # (peak active %, peak reserved %)
+ALLOCATOR_SOURCE = "torchtitan PR #165 (pytorch/torchtitan#165): FSDP2 on 8 H100s, peak active vs peak reserved"
+NON_TORCH_BYTES = 2 * GIB   # CUDA's context and NCCL's buffers, outside the caching allocator: kept free on a GPU
 
 
-def transient(model: ModelConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
-    """Buffers alive beside the model state and the activations at the peak: FSDP2's all-gathered compute copy of
-    the current and the prefetched group, the whole stage's under pipelining (the recipe keeps a stage's
-    parameters gathered through its micro-batches) with its unsharded fp32 gradients; DDP's gradient buckets (a
-    copy of every gradient); the gradient of the fp32 logits."""
-    c = layout.coordinates(rank)
+def allocator_overhead(checkpointing: str) -> float:
+    active, reserved = ALLOCATOR_RUNS["full" if checkpointing == "full" else "selective"]
+    return reserved / active - 1
+
+
+def memory(cfg: GPTConfig, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
+    """What `rank` holds at its peak, as the CUDA caching allocator counts it ("allocated", by phase of the step,
+    the largest taken) and reserves it ("reserved": `allocator_overhead`).
+
+    Always held: parameters and optimizer state (allocated, FSDP2's padding in), the rotary tables, DDP's gradient
+    buckets, a pipelined stage's gathered parameters and unsharded gradients; the sharded gradients from the second
+    micro-batch on (the recipe frees them at every step's end: set_to_none). Then the largest of:
+    - the loss's backward (last stage): every kept activation, and beside the fp32 log-probabilities two more fp32
+      tensors of the vocabulary (the gradient `nll_loss` hands back, and `log_softmax`'s gradient of the logits):
+      eager `log_softmax` backward holds three at once;
+    - a block's backward: the kept activations, the block recomputed (when checkpointed), two blocks' gathered
+      parameters (FSDP2 prefetches one ahead), and the block's gradients in the compute dtype beside their fp32
+      copy for the reduce-scatter;
+    - the optimizer step: every gradient, and for AdamW (foreach, the default on GPUs) one fp32 temporary per
+      parameter (the square root of the second moment).
+    """
+    c = coordinates(layout, rank)
+    last, tp = c["pp"] == layout.pp - 1, layout.tp
     b = _dtype_bytes(train.precision)
-    out = {}
-    if layout.fsdp:
-        sizes = {g: e * layout.dp_shard for g, e in _group_elements(model, layout, rank).items()}
-        if layout.pp > 1:
-            out["FSDP gathered parameters (whole stage)"] = sum(sizes.values()) * b["gathered"]
-            out["FSDP unsharded gradients (whole stage)"] = sum(sizes.values()) * b["reduce"]
-        else:
-            groups = sorted(sizes.values(), reverse=True)
-            out["FSDP gathered parameters (two groups)"] = sum(groups[:2]) * b["gathered"]
-    elif layout.ddp:
-        out["DDP gradient buckets"] = model_state(model, train, layout, rank)["held"]["gradients"]
-    if c["pp"] == layout.pp - 1:
-        out["logits gradient"] = train.batch_size * train.seq_len * model.vocab_size * 4 / layout.tp
-    return out
+    state = model_state(cfg, train, layout, rank)
+    act = activations(cfg, train, layout, rank, schedule)
+    n = train.batch_size * train.seq_len
+    held = {"parameters": state["allocated"]["parameters"], "optimizer": state["allocated"]["optimizer"],
+            "rotary tables": rope_tables_bytes(cfg)}
+    if layout.ddp:
+        held["DDP gradient buckets"] = state["held"]["gradients"]
+    gathered = sum(math.prod(tp_local_shape(s, d, layout.tp, c["tp"])) for _, s, d in _block_shapes(cfg, 0))
+    if layout.fsdp and layout.pp > 1:
+        whole = state["padded_elements"] * layout.dp_shard
+        held["FSDP gathered parameters (whole stage)"] = whole * b["gathered"]
+        held["FSDP unsharded gradients (whole stage)"] = whole * b["reduce"]
+    grads = state["allocated"]["gradients"] if train.grad_accum > 1 or layout.pp > 1 else 0.0
+    logprobs = n * cfg.vocab_size * 4 / tp if last else 0.0
+    block = gathered * (2 * b["gathered"] + b["matmul"] + b["reduce"]) if layout.fsdp and layout.pp == 1 else 0.0
+    phases = {"a block's backward": grads + act["kept"] - logprobs + act["recompute"] + block,
+              "optimizer step": state["allocated"]["gradients"]
+              + (4 * state["elements"] if train.optimizer == "adamw" else 0)}
+    if last:
+        phases["the loss's backward"] = grads + act["kept"] + 2 * logprobs
+    phase = max(phases, key=phases.get)
+    allocated = sum(held.values()) + phases[phase]
+    return {"allocated": allocated, "reserved": allocated * (1 + allocator_overhead(train.checkpointing)),
+            "phase": phase, "held": held, "phases": phases, "activations": act, "state": state}
 
 
 # ------------------------------------------------------------------------------------------------ communication
+
+def _group_elements(cfg: GPTConfig, layout: Layout, rank: int) -> list[tuple[int, int]]:
+    """[(elements of one rank's padded shard of an FSDP group, how many such groups)] on `rank`'s stage: a block
+    (counted), the root (the all-gather output is dp_shard x this; the reduce-scatter input too)."""
+    c = coordinates(layout, rank)
+    return [(sum(-(-s[0] // layout.dp_shard) * math.prod(s[1:]) for s in
+                 (tp_local_shape(shape, d, layout.tp, c["tp"]) for _, shape, d in params)), count)
+            for _, params, count in stage_groups(cfg, layout, c["pp"])]
+
 
 def _ring_factor(kind: str, n: int) -> float:
     """nccl-tests' bus factor: the share of a collective's buffer each rank sends on a ring."""
@@ -478,61 +595,71 @@ def _collective(what: str, kind: str, group: str, size: int, calls: int, nbytes:
              "dtype_bytes": dtype_bytes, "sent_bytes": nbytes * _ring_factor(kind, size)}]
 
 
-def _data_parallel_collectives(model: ModelConfig, train: Training, layout: Layout, rank: int) -> list[dict]:
+def _data_parallel_collectives(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> list[dict]:
     """FSDP2's all-gathers and reduce-scatters per group (each block, the root), HSDP's all-reduce of the reduced
     shard, or DDP's one all-reduce of every gradient per step (see `communication`)."""
     b = _dtype_bytes(train.precision)
     micro = train.grad_accum
     if layout.fsdp:
-        shard, groups = layout.dp_shard, _group_elements(model, layout, rank)
+        shard, groups = layout.dp_shard, _group_elements(cfg, layout, rank)
         gathers, reduces = (1, 1) if layout.pp > 1 else (2 * micro, micro)
-        elements = sum(groups.values())
-        return (_collective("FSDP parameters", "all_gather", "dp_shard", shard, gathers * len(groups),
+        elements, count = sum(e * n for e, n in groups), sum(n for _, n in groups)
+        return (_collective("FSDP parameters", "all_gather", "dp_shard", shard, gathers * count,
                             gathers * elements * shard * b["gathered"], b["gathered"])
-                + _collective("FSDP gradients", "reduce_scatter", "dp_shard", shard, reduces * len(groups),
+                + _collective("FSDP gradients", "reduce_scatter", "dp_shard", shard, reduces * count,
                               reduces * elements * shard * b["reduce"], b["reduce"])
                 + _collective("HSDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate,
-                              reduces * len(groups), reduces * elements * b["reduce"], b["reduce"]))
+                              reduces * count, reduces * elements * b["reduce"], b["reduce"]))
     if layout.ddp:
         return _collective("DDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate, 1,
-                           model_state(model, train, layout, rank)["held"]["gradients"], 4)
+                           model_state(cfg, train, layout, rank)["held"]["gradients"], 4)
     return []
 
 
-def _tensor_parallel_collectives(model: ModelConfig, train: Training, layout: Layout, stage: int) -> list[dict]:
+def _tensor_parallel_collectives(cfg: GPTConfig, train: Training, layout: Layout, stage: int) -> list[dict]:
     """Sequence parallelism's all-gathers and reduce-scatters per micro-batch (each block's two halves, the
-    embeddings on the first stage, the output projection on the last), grouped by element width, and the
-    parallel loss's all-reduces (see `communication`)."""
+    embedding on the first stage, the output projection on the last), grouped by element width, those a
+    checkpointed block's recomputation repeats, and the parallel loss's all-reduces (see `communication`)."""
     b = _dtype_bytes(train.precision)
     micro, t = train.grad_accum, layout.tp
-    n, s, d = train.batch_size * train.seq_len, train.seq_len, model.dim
+    n, d = train.batch_size * train.seq_len, cfg.dim
     first, last = stage == 0, stage == layout.pp - 1
-    blocks = len(stage_layers(model, layout.pp, stage))
+    blocks = list(stage_layers(cfg.n_layers, layout.pp, stage))
     res, mat = b["residual"], b["matmul"]
     # (elements, dtype bytes) per micro-batch, forward and backward together
-    gathers = [(n * d, res)] * (2 * blocks) + [(n * d, mat)] * (2 * blocks)
-    scatters = [(n * d, mat)] * (2 * blocks) + [(n * d, res)] * (2 * blocks)
+    gathers = [(n * d, res)] * (2 * len(blocks)) + [(n * d, mat)] * (2 * len(blocks))
+    scatters = [(n * d, mat)] * (2 * len(blocks)) + [(n * d, res)] * (2 * len(blocks))
     if first:
-        scatters += [(n * d, res), (s * d, res)]
-        gathers += [(n * d, res), (s * d, res)]
+        scatters.append((n * d, res))
+        gathers.append((n * d, res))
     if last:
         gathers.append((n * d, res))
         scatters.append((n * d, res))
-    by_width: dict = {}
-    for kind, items in (("all_gather", gathers), ("reduce_scatter", scatters)):
-        for elements, width in items:
-            key = (kind, width)
-            by_width[key] = (by_width.get(key, (0, 0))[0] + 1, by_width.get(key, (0, 0))[1] + elements * width)
     records = []
-    for (kind, width), (calls, nbytes) in sorted(by_width.items()):
-        records += _collective(f"TP sequence parallel ({width}-byte elements)", kind, "tp", t, micro * calls,
-                               micro * nbytes, width)
+    for what, g, s in (("TP sequence parallel", gathers, scatters), ("TP recomputed by checkpointing", *_recomputed(
+            cfg, train, blocks, n * d, res, mat))):
+        by_width: dict = {}
+        for kind, items in (("all_gather", g), ("reduce_scatter", s)):
+            for elements, width in items:
+                calls, nbytes = by_width.get((kind, width), (0, 0))
+                by_width[(kind, width)] = (calls + 1, nbytes + elements * width)
+        for (kind, width), (calls, nbytes) in sorted(by_width.items()):
+            records += _collective(f"{what} ({width}-byte elements)", kind, "tp", t, micro * calls, micro * nbytes,
+                                   width)
     if last:
         records += _collective("TP parallel loss", "all_reduce", "tp", t, 3 * micro, 3 * micro * n * 4, 4)
     return records
 
 
-def communication(model: ModelConfig, train: Training, layout: Layout, rank: int = 0) -> list[dict]:
+def _recomputed(cfg: GPTConfig, train: Training, blocks: list[int], elements: int, res: int, mat: int):
+    """(gathers, scatters) a checkpointed block's recomputed forward repeats: both halves' all-gathers, and the
+    reduce-scatters unless the policy keeps their outputs (torchtitan's does)."""
+    again = len(checkpointed_blocks(cfg, train, blocks))
+    scatters = [] if train.checkpointing == TORCHTITAN_SELECTIVE else [(elements, mat)] * (2 * again)
+    return [(elements, res)] * (2 * again), scatters
+
+
+def communication(cfg: GPTConfig, train: Training, layout: Layout, rank: int = 0) -> list[dict]:
     """The collectives `rank` takes part in during one step of the recipe, one record per (what, kind, group):
     calls, buffer bytes (the collective's logical buffer summed over calls: an all-gather's output, a
     reduce-scatter's input, an all-reduce's tensor, a point-to-point message) and bytes this rank sends on a ring.
@@ -543,28 +670,28 @@ def communication(model: ModelConfig, train: Training, layout: Layout, rank: int
     and its gradients unreduced through the step: one all-gather and one reduction per group per step. DDP
     all-reduces every gradient once per step (no_sync on the other micro-batches). Tensor parallelism with
     sequence parallelism, per micro-batch: each block all-gathers the normed input before attention and before the
-    MLP and reduce-scatters both outputs, and backward does the reverse; the embeddings reduce-scatter their
-    lookups (positions: one sequence, broadcast over the batch) and gather the gradients back; the output
-    projection gathers its input and reduce-scatters its gradient; the parallel loss all-reduces three fp32 values
-    per token (max, sum of exponentials, target logit). Clipping all-reduces the per-tensor norms of DTensor
-    gradients over each sharded mesh dimension, or a stage's squared norm over the pipeline. The pipeline sends
-    each micro-batch's hidden states forward and their gradients back across each stage boundary.
+    feed-forward and reduce-scatters both outputs, and backward does the reverse (a checkpointed block's recomputed
+    forward gathers and scatters again); the embedding reduce-scatters its lookups and gathers the gradient back;
+    the output projection gathers its input and reduce-scatters its gradient; the parallel loss all-reduces three
+    fp32 values per token (max, sum of exponentials, target logit). Clipping all-reduces the per-tensor norms of
+    DTensor gradients over each sharded mesh dimension, or a stage's squared norm over the pipeline. The pipeline
+    sends each micro-batch's hidden states forward and their gradients back across each stage boundary.
     Not planned: under tp the norm weights' gradients stay partial sums and are all-reduced (dim elements each)
     wherever they are read; notebook 10 counts them.
     """
-    stage = layout.coordinates(rank)["pp"]
-    records = _data_parallel_collectives(model, train, layout, rank)
+    stage = coordinates(layout, rank)["pp"]
+    records = _data_parallel_collectives(cfg, train, layout, rank)
     if layout.tp > 1:
-        records += _tensor_parallel_collectives(model, train, layout, stage)
+        records += _tensor_parallel_collectives(cfg, train, layout, stage)
     sharded_dims = [(g, size) for g, size in (("dp_shard", layout.dp_shard if layout.fsdp else 1), ("tp", layout.tp))
                     if size > 1]
-    params = stage_parameters(model, layout, stage)
+    tensors = sum(len(params) * count for _, params, count in stage_groups(cfg, layout, stage))
     for group, size in sharded_dims:
-        records += _collective("gradient norm (per-tensor norms)", "all_reduce", group, size, 1, len(params) * 4, 4)
+        records += _collective("gradient norm (per-tensor norms)", "all_reduce", group, size, 1, tensors * 4, 4)
     if layout.pp > 1:
         records += _collective("gradient norm (stages' squared norms)", "all_reduce", "pp", layout.pp, 1, 4, 4)
         b = _dtype_bytes(train.precision)
-        msg = train.batch_size * train.seq_len * model.dim * b["residual"] / layout.tp
+        msg = train.batch_size * train.seq_len * cfg.dim * b["residual"] / layout.tp
         sends = (stage < layout.pp - 1) + (stage > 0)
         records += _collective("pipeline hidden states and their gradients", "send", "pp", layout.pp,
                                train.grad_accum * sends, train.grad_accum * sends * msg, b["residual"])
@@ -573,133 +700,204 @@ def communication(model: ModelConfig, train: Training, layout: Layout, rank: int
 
 # ------------------------------------------------------------------------------------------------------ the time
 
-def flops_per_step(model: ModelConfig, train: Training, layout: Layout, rank: int = 0) -> float:
-    """Matmul FLOPs of one step on `rank`: 6 per token per weight of its stage's matmuls (2 forward, 4 backward),
-    plus causal attention's 6 * s * D per token per layer (QK^T and AV, half the square each way), split by tp;
-    checkpointing adds a forward of what it recomputes (full: every block; alternate: every other block;
-    selective: no matmul)."""
-    c = layout.coordinates(rank)
-    params = stage_parameters(model, layout, c["pp"])
-    matmul_weights = sum(math.prod(s) for n, s, _ in params if len(s) == 2 and "embeddings" not in n)
-    block_weights = sum(math.prod(s) for n, s, _ in params if n.startswith("layers.") and len(s) == 2)
-    blocks_here = list(stage_layers(model, layout.pp, c["pp"]))
-    tokens = train.batch_size * train.seq_len * train.grad_accum
-    attention = 2 * train.seq_len * model.dim * len(blocks_here)        # forward FLOPs per token, causal
-    forward = 2 * matmul_weights + attention
-    share = {"none": 0.0, "selective": 0.0, "full": 1.0,
-             "alternate": sum(1 for i in blocks_here if i % 2 == 0) / max(1, len(blocks_here))}
-    blocks_forward = 2 * block_weights + attention
-    return tokens * (3 * forward + share[train.checkpointing] * blocks_forward) / layout.tp
+def _tile_fill(m: int, n: int, sms: int) -> float:
+    """The share of a GPU's tensor cores an (m x n) output keeps busy: 128 x 256 tiles (cuBLAS's for large bf16
+    matmuls), padded at the edges, run in waves of one tile per SM, the last wave part-empty. 1 without SMs (CPU)."""
+    if not sms:
+        return 1.0
+    rows, cols = -(-m // 128), -(-n // 256)
+    waves = -(-rows * cols // sms)
+    return m * n / (rows * 128 * cols * 256) * rows * cols / (waves * sms)
 
 
-def step_time(model: ModelConfig, train: Training, layout: Layout, ceilings: Ceilings, rank: int = 0) -> dict:
-    """An estimate of one step's seconds from the ceilings, with its parts.
+def matmul_seconds(m: int, k: int, n: int, rates: Rates) -> float:
+    """(m x k) @ (k x n) at the measured rate of a large square matmul (8192^3), scaled by how well this shape
+    fills the GPU against how well the measured one did (`_tile_fill`): matmul efficiency by shape."""
+    return 2 * m * k * n / (rates.matmul * _tile_fill(m, n, rates.sms) / _tile_fill(8192, 8192, rates.sms))
 
-    Assumptions (shown with every plan): matmuls run at the measured matmul rate of the compute dtype; memory-bound
-    work (the optimizer's pass over its states and the elementwise ops around the matmuls, counted as reading and
-    writing each activation twice, and again for what checkpointing recomputes) at the copy rate; FSDP2's and
-    DDP's collectives overlap with the compute of the other blocks except one call's worth per step (FSDP2
-    prefetches one block ahead; DDP reduces buckets while backward runs); tensor-parallel and loss collectives sit
-    on the critical path (no async TP); the pipeline idles (pp - 1) / (m + pp - 1) of the step (1F1B's bubble, m
-    micro-batches); a group that spans nodes runs at the inter-node bus bandwidth; each call also pays the latency.
+
+def _block_matmuls(cfg: GPTConfig, n: int, tp: int) -> dict[str, tuple[int, int, int]]:
+    """(tokens, in, out) of each projection of a block on one rank: column-wise ones split their outputs,
+    row-wise ones their inputs."""
+    d, h, q, kv = cfg.dim, cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {"wq": (n, d, q // tp), "wk": (n, d, kv // tp), "wv": (n, d, kv // tp), "wo": (n, q // tp, d),
+            "w1": (n, d, h // tp), "w3": (n, d, h // tp), "w2": (n, h // tp, d)}
+
+
+def _forward_backward(m: int, k: int, n: int, rates: Rates) -> float:
+    """A projection's forward and its backward's two matmuls (the input's gradient, the weight's)."""
+    return matmul_seconds(m, k, n, rates) + matmul_seconds(m, n, k, rates) + matmul_seconds(k, m, n, rates)
+
+
+def elementwise_bytes(cfg: GPTConfig, train: Training, tp: int) -> float:
+    """Bytes one block's forward reads and writes outside its matmuls and attention, per token on one rank: what
+    memory bandwidth, not FLOP/s, bounds. Eager, one kernel per op: two fused RMSNorms, autocast's casts of the
+    normed input (five), the rotation in float32 (a copy up, four multiplies and two adds on the halves, the
+    stack, the cast back), the repeat of k and v to every query head, two residual adds, silu and the product.
+    Compiled (`Training.compile`), each run of elementwise ops between two matmuls is one kernel that reads its
+    inputs and writes its outputs once: add and norm, rotation and repeat, silu and product."""
+    b = _dtype_bytes(train.precision)
+    r, m = b["residual"], b["matmul"]
+    d, h, kv = cfg.dim, cfg.hidden, cfg.n_kv_heads * cfg.head_dim
+    repeat = cfg.n_kv_heads < cfg.n_heads
+    if train.compile:
+        total = 2 * 2 * (r + m) * d + m * (d + 2 * kv) + m * (3 * d if repeat else d + 2 * kv) + 3 * m * h
+    else:
+        rotate = 36 + (0 if m == 4 else 2 * (m + 4))
+        total = (2 * 2 * r * d + (5 * (4 + m) * d if train.precision == "bf16-autocast" else 0) + rotate * (d + kv)
+                 + (2 * m * (kv + d) if repeat else 0) + 2 * (2 * r + m) * d + 5 * m * h)
+    return total / tp
+
+
+def _recomputed_matmuls(train: Training) -> tuple[str, ...]:
+    """The projections a checkpointed block's backward computes again."""
+    if train.checkpointing == "selective":
+        return ()
+    if train.checkpointing == TORCHTITAN_SELECTIVE:
+        return ("wk", "wo", "w3")
+    return ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+
+
+def bus_bandwidth(size: int, stride: int, rates: Rates) -> float:
+    """A group's bus bandwidth: the links inside a node where it fits in one; across nodes every member that shares
+    a node runs its own ring through its own network card (NCCL's channels), so the node's cards add up, to at most
+    the links inside the node. `stride`: ranks between neighbouring members."""
+    span = (size - 1) * stride + 1                                  # ranks between the group's first and last
+    if span <= rates.gpus_per_node:
+        return rates.intra
+    per_node = max(1, min(size, rates.gpus_per_node // stride))
+    return min(rates.intra, rates.inter * per_node)
+
+
+def step_time(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates, rank: int = 0) -> dict:
+    """One step's seconds on `rank`, from achieved rates (not one fraction of a peak), with its parts.
+
+    - matmuls, shape by shape (`matmul_seconds`), the forward's and the backward's, and again those a checkpointed
+      block recomputes (full: all; torchtitan's per-op policy: wk, wo, w3; the recipe's: none);
+    - attention at fused attention's rate, FlashAttention-2's count (forward 4 b s^2 h d / 2 when causal, backward
+      2.5 forwards), its forward again where a whole block is recomputed;
+    - elementwise work at the memory rate (`elementwise_bytes`: backward twice the forward's bytes, and a
+      checkpointed block's forward again), the loss over the vocabulary, autocast's weight casts, the optimizer;
+    - communication (`communication`): FSDP2's and DDP's collectives overlap with the compute except one call's
+      worth per kind and whatever exceeds the compute; tensor-parallel, loss and pipeline traffic sit on the
+      critical path (no async TP); a group that spans nodes runs at the inter-node rate; each call pays the latency;
+    - the pipeline idles (pp - 1) / (m + pp - 1) of the step (1F1B's bubble, m micro-batches).
     """
-    compute_dtype = "fp32" if train.precision == "fp32" else "bf16"
-    compute = flops_per_step(model, train, layout, rank) / ceilings.matmul[compute_dtype]
-    state = model_state(model, train, layout, rank)["held"]
-    everything = activations(model, replace(train, checkpointing="none"), layout, rank)["per_microbatch"]
-    kept = activations(model, train, layout, rank)["per_microbatch"]
-    recomputed = {"none": 0.0, "full": 1.0, "alternate": 0.5, "selective": 1 - kept / everything}[train.checkpointing]
-    memory = (2 * sum(state.values()) + 4 * everything * (1 + recomputed) * train.grad_accum) / ceilings.copy
+    c = coordinates(layout, rank)
+    tp, micro = layout.tp, train.grad_accum
+    n = train.batch_size * train.seq_len
+    blocks = list(stage_layers(cfg.n_layers, layout.pp, c["pp"]))
+    again = len(checkpointed_blocks(cfg, train, blocks))
+    shapes = _block_matmuls(cfg, n, tp)
+    matmul = len(blocks) * sum(_forward_backward(*s, rates) for s in shapes.values()) + \
+        again * sum(matmul_seconds(*shapes[w], rates) for w in _recomputed_matmuls(train))
+    if c["pp"] == layout.pp - 1:
+        matmul += _forward_backward(n, cfg.dim, cfg.vocab_size // tp, rates)
+    attention_forward = 2 * n * train.seq_len * cfg.dim / tp
+    whole = again if train.checkpointing in ("full", "alternate") else 0
+    attention = (3.5 * len(blocks) + whole) * attention_forward / rates.attention
+    b = _dtype_bytes(train.precision)
+    traffic = (3 * len(blocks) + again) * n * elementwise_bytes(cfg, train, tp)
+    if c["pp"] == layout.pp - 1:
+        traffic += n * cfg.vocab_size / tp * (32 + (12 if b["matmul"] == 2 else 0))
+    state = model_state(cfg, train, layout, rank)
+    weights = state["elements"] if not layout.fsdp else 0
+    casts = 6 * weights if train.precision == "bf16-autocast" else 0
+    memory = (micro * (traffic + casts) + (68 if train.optimizer == "adamw" else 36) * state["elements"]) / \
+        rates.memory
+    compute = micro * (matmul + attention) + memory
     overlapped = exposed = 0.0
-    stride = {"tp": 1, "dp_shard": layout.tp, "dp_replicate": layout.tp * layout.dp_shard,
-              "pp": layout.tp * layout.dp}
-    for r in communication(model, train, layout, rank):
-        span = (r["group_size"] - 1) * stride[r["group"]] + 1      # ranks between the group's first and last
-        bw = ceilings.busbw["intra" if span <= ceilings.gpus_per_node else "inter"]
-        seconds = r["sent_bytes"] / bw + r["calls"] * ceilings.latency
-        if r["group"] in ("dp_shard", "dp_replicate") and r["what"].startswith(("FSDP", "HSDP", "DDP")):
-            first_last = seconds / max(1, r["calls"])   # one call's worth is not hidden
-            exposed += first_last
-            overlapped += seconds - first_last
+    stride = {"tp": 1, "dp_shard": tp, "dp_replicate": tp * layout.dp_shard, "pp": tp * layout.dp}
+    for r in communication(cfg, train, layout, rank):
+        bw = bus_bandwidth(r["group_size"], stride[r["group"]], rates)
+        seconds = r["sent_bytes"] / bw + r["calls"] * rates.latency
+        if r["what"].startswith(("FSDP", "HSDP", "DDP")):
+            exposed += seconds / r["calls"]                           # one call's worth is not hidden
+            overlapped += seconds - seconds / r["calls"]
         else:
             exposed += seconds
-    busy = max(compute + memory, overlapped) + exposed
-    bubble = (layout.pp - 1) / (train.grad_accum + layout.pp - 1) if layout.pp > 1 else 0.0
-    total = busy / (1 - bubble)
-    return {"seconds": total, "compute": compute, "memory": memory, "comm_overlapped": overlapped,
-            "comm_exposed": exposed, "bubble": bubble, "ceilings": ceilings.source}
+    busy = max(compute, overlapped) + exposed
+    bubble = (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0
+    return {"seconds": busy / (1 - bubble), "matmul": micro * matmul, "attention": micro * attention,
+            "memory": memory, "comm_overlapped": overlapped, "comm_exposed": exposed, "bubble": bubble,
+            "rates": rates.sources}
 
 
 ASSUMPTIONS = (
     "model state: fp32 master weights and gradients, AdamW's two fp32 moments (SGD: one); FSDP2 pads dim 0",
-    "activations: eager PyTorch (torch.compile keeps fewer), flash/efficient attention (no s x s scores), "
-    "1F1B keeps pp - s micro-batches on stage s",
-    "peak: model state + kept activations + one recomputed block + gathered parameters, buckets and the logits' "
-    "gradient; allocator cache, fragmentation, CUDA context and NCCL buffers not counted (keep headroom)",
-    "time: matmuls at the measured rate; elementwise work at the copy rate; FSDP/DDP traffic hidden behind compute "
-    "but one call per step; TP, loss and pipeline traffic exposed; 1F1B bubble (pp-1)/(m+pp-1)",
+    "activations: eager PyTorch, flash attention (no s x s scores), 1F1B keeps pp - s micro-batches on stage s; "
+    "compiled blocks keep what eager keeps, less the checkpointed outputs no backward reads",
+    "memory: the largest of the loss's backward, a block's backward and the optimizer step, as the caching "
+    "allocator counts it; reserved = allocated x (1 + the overhead of a published run); 2 GiB kept free for CUDA's "
+    "context and NCCL",
+    "time: matmuls at a measured rate by shape, attention at FlashAttention-2's published share, elementwise work at "
+    "the measured copy rate; FSDP/DDP traffic hidden but one call per kind, TP, loss and pipeline traffic exposed; "
+    "1F1B bubble (pp-1)/(m+pp-1)",
+    "not planned: context parallelism, float8, async TP, interleaved schedules, CPU offload",
 )
 
 
-# ------------------------------------------------------------------------------------------------------- plans
-
 @dataclass
 class Plan:
-    model: ModelConfig
+    cfg: GPTConfig
     train: Training
     layout: Layout
-    ranks: list[dict]          # per rank: model state, activations, transient buffers, peak
+    ranks: list[dict]          # per detailed rank: coordinates, model state, activations, memory
     communication: list[dict]  # rank 0's collectives per step
-    time: dict | None
+    time: dict | None          # the slowest stage's step, with tokens/s per GPU and MFU
+    gpu: str | GPU | None = None
 
     @property
     def peak(self) -> float:
-        """The largest peak over ranks, in bytes."""
-        return max(r["peak"] for r in self.ranks)
+        """The largest allocated peak over the detailed ranks, in bytes."""
+        return max(r["memory"]["allocated"] for r in self.ranks)
+
+    @property
+    def reserved(self) -> float:
+        return max(r["memory"]["reserved"] for r in self.ranks)
 
     def command(self, script: str = "scripts/train/train.py", nodes: int = 1, **extra) -> str:
-        return torchrun_command(self.model, self.train, self.layout, script, nodes, **extra)
+        return torchrun_command(self.cfg, self.train, self.layout, script, nodes, **extra)
 
 
-def check_layout(model: ModelConfig, train: Training, layout: Layout) -> None:
-    """Raise ValueError for a layout the recipe refuses (parallelize.check_layout and train.parse_args): tp must
-    divide the heads, the vocabulary and the sequence; pp the layers; 1F1B needs as many micro-batches as stages;
-    the recipe's model is as long as its sequences."""
-    if min(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp) < 1:
-        raise ValueError(f"every mesh dimension needs at least 1 rank: {layout}")
-    if model.dim % model.n_heads:
-        raise ValueError(f"the width ({model.dim}) must divide into {model.n_heads} heads")
-    for what, n in (("attention heads", model.n_heads), ("vocabulary", model.vocab_size),
-                    ("sequence length", train.seq_len)):
-        if n % layout.tp:
-            raise ValueError(f"tp={layout.tp} must divide the {what} ({n})")
-    if model.n_layers % layout.pp:
-        raise ValueError(f"pp={layout.pp} must divide the layers ({model.n_layers})")
+def check_layout(cfg: GPTConfig, train: Training, layout: Layout) -> None:
+    """ValueError (one line) for a layout the recipe refuses: config.Layout.check (tp must divide the heads, the
+    key/value heads, the vocabulary and the sequence; pp at most the layers; no pipelined tied output), and what
+    train.parse_args adds: 1F1B needs as many micro-batches as stages; the model is as long as its sequences."""
+    layout.check(None, cfg, train.seq_len)
     if layout.pp > 1 and train.grad_accum < layout.pp:
         raise ValueError(f"pipelining over {layout.pp} stages needs at least as many micro-batches "
                          f"(grad_accum={train.grad_accum})")
-    if train.seq_len > model.max_seq_len:
-        raise ValueError(f"seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+    if train.seq_len > cfg.max_seq_len:
+        raise ValueError(f"seq_len {train.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     if train.precision == "bf16-fsdp" and not layout.fsdp:
-        raise ValueError(f"precision bf16-fsdp needs FSDP2, which {layout} does not apply (use bf16-autocast)")
+        raise ValueError(f"precision bf16-fsdp needs FSDP2, which {layout_name(layout)} does not apply (use "
+                         "bf16-autocast)")
 
 
-def plan(model: ModelConfig, train: Training, layout: Layout, ceilings: Ceilings | None = None,
-         ranks: list[int] | None = None, schedule: str = "1f1b") -> Plan:
-    """Bytes per rank (model state, activations, transient buffers, peak), rank 0's communication per step, and
-    the step time when `ceilings` are given. `ranks`: which ranks to detail (default: every rank; the ranks of
-    one tp x dp_shard slice of each stage differ only by FSDP's uneven last shards)."""
-    check_layout(model, train, layout)
+def plan(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates | None = None,
+         ranks: list[int] | None = None, schedule: str = "1f1b", gpu: str | GPU | None = None) -> Plan:
+    """Bytes per rank (model state, activations, the memory a GPU reports), rank 0's communication per step, and
+    the step time of the slowest stage when `rates` are given (with tokens/s per GPU, and MFU against `gpu`'s
+    datasheet). `ranks`: which ranks to detail (default: every rank; the ranks of one tp x dp_shard slice of each
+    stage differ only by FSDP's uneven last shards)."""
+    check_layout(cfg, train, layout)
     rows = []
     for rank in (range(layout.world) if ranks is None else ranks):
-        state = model_state(model, train, layout, rank)
-        act = activations(model, train, layout, rank, schedule)
-        extra = transient(model, train, layout, rank)
-        peak = sum(state["allocated"].values()) + act["kept"] + act["recompute"] + sum(extra.values())
-        rows.append({"rank": rank, **layout.coordinates(rank), **state, "activations": act, "transient": extra,
-                     "peak": peak})
-    time = step_time(model, train, layout, ceilings) if ceilings is not None else None
-    return Plan(model, train, layout, rows, communication(model, train, layout, 0), time)
+        mem = memory(cfg, train, layout, rank, schedule)
+        rows.append({"rank": rank, **coordinates(layout, rank), **mem["state"], "activations": mem["activations"],
+                     "memory": mem})
+    time = None
+    if rates is not None:
+        stages = [step_time(cfg, train, layout, rates, s * layout.world // layout.pp) for s in range(layout.pp)]
+        time = max(stages, key=lambda t: t["seconds"])
+        tokens = train.batch_size * train.seq_len * train.grad_accum * layout.dp
+        time["tokens_per_s_per_gpu"] = tokens / time["seconds"] / layout.world
+        if gpu:
+            device = GPUS[gpu] if isinstance(gpu, str) else gpu
+            peak = datasheet_flops(device.device, "fp32" if train.precision == "fp32" else "bf16")[0]
+            time["mfu"] = time["tokens_per_s_per_gpu"] * cfg.flops_per_token(train.seq_len) / peak
+    return Plan(cfg, train, layout, rows, communication(cfg, train, layout, 0), time, gpu)
 
 
 def _factorizations(n: int, parts: int):
@@ -717,88 +915,252 @@ def layouts(world: int) -> list[Layout]:
     return [Layout(*f) for f in _factorizations(world, 4)]
 
 
-def fitting_layouts(model: ModelConfig, gpus: int, memory_bytes: float, ceilings: Ceilings, *, seq_len: int,
-                    global_batch: int, batch_size: int = 1, optimizer: str = "adamw", dtype: str = "bf16",
-                    checkpointing=CHECKPOINTING, max_tp: int | None = None, headroom: float = 0.9) -> list[Plan]:
-    """The layouts of `gpus` ranks (and checkpointing choices) whose peak fits `headroom` x `memory_bytes`, each
-    at `global_batch` sequences per step of micro-batches of `batch_size`, fastest estimate first.
+def fitting_layouts(cfg: GPTConfig, gpus: int, gpu: str | GPU, rates: Rates | None = None, *, seq_len: int,
+                    global_batch: int, batch_size: int = 1, dtype: str = "bf16", checkpointing=CHECKPOINTING,
+                    compile: bool = True, max_tp: int | None = None, fixed: dict | None = None) -> list[Plan]:
+    """The layouts of `gpus` GPUs `gpu` (a GPU, or a key of GPUS) and checkpointing modes whose reserved memory, with
+    NON_TORCH_BYTES beside it, fits the GPU, each at `global_batch` sequences per step of micro-batches of
+    `batch_size`, fastest estimate first (rates: `gpu_rates(gpu)` unless given).
 
     The accumulation follows from the layout: grad_accum = global_batch / (batch_size x data-parallel ranks);
-    layouts that cannot split the batch so, tp beyond one node (`max_tp`, default `ceilings.gpus_per_node`), or
-    that the recipe refuses are left out. The precision is what the recipe's --dtype gives there
-    (`recipe_precision`). `headroom` keeps room for the allocator's cache and fragmentation, CUDA's context and
-    NCCL's buffers, none of which the plan counts.
+    layouts that cannot split the batch so, tp beyond one node (`max_tp`, default the node's GPUs), degrees other
+    than `fixed` ({"tp": 8, ...}), or that the recipe refuses are left out. The precision is what the recipe's
+    --dtype gives there (`recipe_precision`).
     """
-    max_tp = ceilings.gpus_per_node if max_tp is None else max_tp
+    device = GPUS[gpu] if isinstance(gpu, str) else gpu
+    rates = rates or gpu_rates(device, "fp32" if dtype == "fp32" else "bf16")
+    max_tp = device.gpus_per_node if max_tp is None else max_tp
     found = []
     for layout, ac in itertools.product(layouts(gpus), checkpointing):
-        if layout.tp > max_tp or global_batch % (batch_size * layout.dp):
+        if layout.tp > max_tp or global_batch % (batch_size * layout.dp) or \
+                any(getattr(layout, k) != v for k, v in (fixed or {}).items()):
             continue
         train = Training(seq_len=seq_len, batch_size=batch_size, grad_accum=global_batch // (batch_size * layout.dp),
-                         optimizer=optimizer, precision=recipe_precision(dtype, layout), checkpointing=ac)
+                         precision=recipe_precision(dtype, layout), checkpointing=ac, compile=compile)
         try:
-            check_layout(model, train, layout)
+            check_layout(cfg, train, layout)
         except ValueError:
             continue
-        # each stage's first rank: its FSDP shards are never the short ones, so its peak is its stage's largest
-        stage_ranks = [stage * layout.world // layout.pp for stage in range(layout.pp)]
-        p = plan(model, train, layout, ceilings, ranks=stage_ranks)
-        if p.peak <= headroom * memory_bytes:
+        # each stage's first rank: its FSDP shards are never the short ones, so its memory is its stage's largest
+        p = plan(cfg, train, layout, rates, ranks=[s * layout.world // layout.pp for s in range(layout.pp)], gpu=gpu)
+        if p.reserved + NON_TORCH_BYTES <= device.memory:
             found.append(p)
-    return sorted(found, key=lambda p: (p.time["seconds"], p.peak))
+    return sorted(found, key=lambda p: (p.time["seconds"], p.reserved))
 
 
-def torchrun_command(model: ModelConfig, train: Training, layout: Layout, script: str = "scripts/train/train.py",
-                     nodes: int = 1, **extra) -> str:
+SHAPE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings")   # train.py's
+
+
+def model_flags(cfg: GPTConfig, init_from: str | None = None) -> dict:
+    """The recipe's flags that build `cfg` (its max_seq_len is --seq-len's): --init-from a Hugging Face folder, or
+    the first preset whose other fields are cfg's, with the shape flags that differ from it. ValueError where no
+    preset and flags make it (an feed-forward width of its own, another rope: only --init-from can)."""
+    if init_from:
+        return {"init-from": init_from}
+    for name, fields in PRESETS.items():
+        base = preset(name, max_seq_len=cfg.max_seq_len, **{k: getattr(cfg, k) for k in SHAPE_FLAGS})
+        if base == cfg:
+            flags = {"model": name}
+            for key in SHAPE_FLAGS:
+                default = getattr(GPTConfig(**fields), key)
+                if getattr(cfg, key) != default or (key == "vocab_size" and "vocab_size" not in fields):
+                    flags[key.replace("_", "-")] = getattr(cfg, key)
+            if flags.pop("tie-embeddings", None):
+                flags["tie-embeddings"] = ""
+            return flags
+    raise ValueError("no preset of config.py with the recipe's shape flags makes this model (its feed-forward width "
+                     "or rotary settings are its own): train it with --init-from a Hugging Face folder")
+
+
+def torchrun_command(cfg: GPTConfig, train: Training, layout: Layout, script: str = "scripts/train/train.py",
+                     nodes: int = 1, init_from: str | None = None, **extra) -> str:
     """The recipe's command line for this plan: one node with --standalone, several with c10d rendezvous
-    (HOST:29500 stands for the first node's address). `extra` adds flags (`steps=100` gives --steps 100).
-
-    The recipe's model is byte-level (a vocabulary of 256) and as long as its sequences (--seq-len sets both):
-    a plan of another vocabulary or length is refused rather than given a command that trains something else.
-    """
-    if model.vocab_size != 256 or model.max_seq_len != train.seq_len:
-        raise ValueError("the recipe trains a 256-token vocabulary at max_seq_len = seq_len; this plan has "
-                         f"vocab_size {model.vocab_size}, max_seq_len {model.max_seq_len}, seq_len {train.seq_len}")
+    (HOST:29500 stands for the first node's address). `extra` adds flags (`steps=100` gives --steps 100)."""
     if train.optimizer != "adamw":
         raise ValueError("the recipe trains with AdamW")
+    if train.checkpointing not in CHECKPOINTING:
+        raise ValueError(f"the recipe's --ac is one of {CHECKPOINTING}, not {train.checkpointing!r}")
+    if cfg.max_seq_len != train.seq_len:
+        raise ValueError(f"the recipe's model is as long as its sequences: max_seq_len {cfg.max_seq_len}, seq_len "
+                         f"{train.seq_len}")
     per_node = layout.world // nodes
     if nodes == 1:
         head = f"torchrun --standalone --nproc-per-node={per_node}"
     else:
         head = (f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d "
                 "--rdzv-endpoint=HOST:29500 --rdzv-id=plan")
-    flags = {"dp-replicate": layout.dp_replicate, "dp-shard": layout.dp_shard, "tp": layout.tp, "pp": layout.pp,
-             "dim": model.dim, "n-layers": model.n_layers, "n-heads": model.n_heads, "mlp-ratio": model.mlp_ratio,
-             "seq-len": train.seq_len, "batch": train.batch_size * layout.dp * train.grad_accum,
-             "accum": train.grad_accum, "dtype": "fp32" if train.precision == "fp32" else "bf16",
-             "ac": train.checkpointing}
+    flags = {**model_flags(cfg, init_from), "seq-len": train.seq_len, "dp-replicate": layout.dp_replicate,
+             "dp-shard": layout.dp_shard, "tp": layout.tp, "pp": layout.pp,
+             "batch": train.batch_size * layout.dp * train.grad_accum, "accum": train.grad_accum,
+             "dtype": "fp32" if train.precision == "fp32" else "bf16", "ac": train.checkpointing,
+             ("compile" if train.compile else "no-compile"): ""}
     flags.update({k.replace("_", "-"): v for k, v in extra.items()})
-    return head + " " + script + "".join(f" --{k} {v}" for k, v in flags.items())
+    return head + " " + script + "".join(f" --{k} {v}".rstrip() for k, v in flags.items())
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def collectives_line(records: list[dict]) -> str:
+    """Rank 0's collectives of a step in one line: per record, the bytes of one call and the calls."""
+    return "; ".join(f"{r['what'].split(' (')[0]} {r['kind']} {_size(r['buffer_bytes'] / r['calls'])} x {r['calls']}"
+                     for r in records) or "none"
 
 
 def describe(p: Plan) -> str:
     """A plan in a few lines: the layout, each detailed rank's bytes, the communication, the time."""
-    gib = 2 ** 30
-    lines = [f"{p.layout} (world {p.layout.world}); {p.train.precision}, {p.train.optimizer}, checkpointing "
-             f"{p.train.checkpointing}; micro-batch {p.train.batch_size} x {p.train.seq_len} tokens, "
-             f"{p.train.grad_accum} per step"]
+    lines = [f"{layout_name(p.layout)} (world {p.layout.world}); {p.train.precision}, {p.train.optimizer}, "
+             f"checkpointing {p.train.checkpointing}{', compiled' if p.train.compile else ''}; micro-batch "
+             f"{p.train.batch_size} x {p.train.seq_len} tokens, {p.train.grad_accum} per step"]
     for r in p.ranks:
-        a = r["allocated"]
-        lines.append(f"  rank {r['rank']:>3} (stage {r['pp']}): params {a['parameters'] / gib:.2f} GiB, grads "
-                     f"{a['gradients'] / gib:.2f}, optimizer {a['optimizer'] / gib:.2f}, activations "
-                     f"{(r['activations']['kept'] + r['activations']['recompute']) / gib:.2f}, transient "
-                     f"{sum(r['transient'].values()) / gib:.2f}; peak {r['peak'] / gib:.2f} GiB")
+        a, m = r["allocated"], r["memory"]
+        lines.append(f"  rank {r['rank']:>3} (stage {r['pp']}): params {a['parameters'] / GIB:.2f} GiB, grads "
+                     f"{a['gradients'] / GIB:.2f}, optimizer {a['optimizer'] / GIB:.2f}, activations kept "
+                     f"{r['activations']['kept'] / GIB:.2f}; peak at {m['phase']}: {m['allocated'] / GIB:.2f} GiB "
+                     f"allocated, {m['reserved'] / GIB:.2f} GiB reserved")
     for c in p.communication:
         lines.append(f"  {c['what']}: {c['calls']} x {c['kind']} over {c['group']} ({c['group_size']}), "
-                     f"{c['buffer_bytes'] / gib:.3f} GiB buffer, {c['sent_bytes'] / gib:.3f} GiB sent by rank 0")
+                     f"{c['buffer_bytes'] / GIB:.3f} GiB buffer, {c['sent_bytes'] / GIB:.3f} GiB sent by rank 0")
     if p.time:
         t = p.time
-        lines.append(f"  step ~{t['seconds']:.3g} s: compute {t['compute']:.3g}, memory-bound {t['memory']:.3g}, "
-                     f"comm hidden {t['comm_overlapped']:.3g} / exposed {t['comm_exposed']:.3g}, bubble "
-                     f"{t['bubble']:.0%} ({t['ceilings']})")
+        lines.append(f"  step ~{t['seconds']:.3g} s: matmuls {t['matmul']:.3g}, attention {t['attention']:.3g}, "
+                     f"memory-bound {t['memory']:.3g}, comm hidden {t['comm_overlapped']:.3g} / exposed "
+                     f"{t['comm_exposed']:.3g}, bubble {t['bubble']:.0%}; {t['tokens_per_s_per_gpu']:,.0f} tokens/s "
+                     f"per GPU" + (f", MFU {t['mfu']:.1%}" if "mfu" in t else ""))
     return "\n".join(lines)
 
 
 def replace(obj, **changes):
     """dataclasses.replace, re-exported so a notebook varies one field of a config without importing dataclasses."""
     return dataclasses.replace(obj, **changes)
+
+
+# --------------------------------------------------------------------------------------------- the command line
+
+class Parser(argparse.ArgumentParser):
+    """Bad input: one line on stderr, exit status 2 (argparse's own error prints the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="plan.py", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog="Not planned (asked for, they are refused with a line that says so): context parallelism (--cp), "
+                      "float8 (--float8).")
+    g = p.add_argument_group("model (train.py's flags)")
+    g.add_argument("--model", choices=sorted(PRESETS), help="a named shape (config.py's PRESETS)")
+    g.add_argument("--hf-config", help="a Hugging Face Llama's config.json instead (the torchrun line then uses "
+                   "--init-from its folder)")
+    g.add_argument("--dim", type=int)
+    g.add_argument("--n-layers", type=int)
+    g.add_argument("--n-heads", type=int)
+    g.add_argument("--n-kv-heads", type=int)
+    g.add_argument("--vocab-size", type=int)
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction)
+    g = p.add_argument_group("the run")
+    g.add_argument("--gpus", type=int, required=True, help="how many GPUs")
+    g.add_argument("--gpu", choices=sorted(GPUS), default="H100-80GB")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
+    g.add_argument("--batch", type=int, help="global batch in sequences per step (default: one per GPU)")
+    g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per data-parallel rank")
+    g.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    g.add_argument("--ac", nargs="+", choices=CHECKPOINTING, default=list(CHECKPOINTING),
+                   help="checkpointing modes to try (default: all)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile each "
+                   "block, as the recipe does on GPUs (default)")
+    g.add_argument("--dp-replicate", type=int, help="fix dp_replicate (default: try every degree)")
+    g.add_argument("--dp-shard", type=int, help="fix dp_shard (default: try every degree)")
+    g.add_argument("--tp", type=int, help="fix tp (default: every degree within a node)")
+    g.add_argument("--pp", type=int, help="fix pp (default: try every degree)")
+    g.add_argument("--matmul-tflops", type=float, help="your GPU's large bf16 matmul rate (notebook 05 measures it; "
+                   "default: the datasheet x the H200's measured share)")
+    g.add_argument("--top", type=int, default=8, help="layouts to print")
+    g.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
+    g.add_argument("--float8", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def model_from_args(args, parser) -> tuple[GPTConfig, str | None]:
+    """The model the flags describe, and the --init-from folder for the torchrun line (with --hf-config)."""
+    import json
+    from pathlib import Path
+
+    from config import config_from_hf
+
+    shape = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
+    try:
+        if args.hf_config:
+            cfg = config_from_hf(json.loads(Path(args.hf_config).read_text()))
+            cfg = dataclasses.replace(cfg, **shape)
+            init_from = str(Path(args.hf_config).parent)
+        elif args.model:
+            cfg, init_from = preset(args.model, **shape), None
+        else:
+            parser.error("give --model (a preset) or --hf-config (a config.json)")
+        seq_len = args.seq_len or cfg.max_seq_len
+        cfg = dataclasses.replace(cfg, max_seq_len=seq_len)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(str(e).splitlines()[0] if str(e) else repr(e))
+    return cfg, init_from
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cp != 1 or args.float8:
+        parser.error("not planned: " + " and ".join(["context parallelism (--cp)"] * (args.cp != 1)
+                                                    + ["float8 (--float8)"] * args.float8)
+                     + " (the recipe has neither; see ASSUMPTIONS)")
+    for key in ("gpus", "micro_batch", "batch", "seq_len", "top", "dp_replicate", "dp_shard", "tp", "pp"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+    cfg, init_from = model_from_args(args, parser)
+    batch = args.batch or args.gpus
+    fixed = {k: getattr(args, k) for k in ("dp_replicate", "dp_shard", "tp", "pp") if getattr(args, k)}
+    if fixed:
+        try:
+            Layout(**fixed).check(None, cfg, cfg.max_seq_len)
+        except ValueError as e:
+            parser.error(str(e))
+        if args.gpus % math.prod(fixed.values()):
+            parser.error(f"the fixed degrees ({math.prod(fixed.values())} GPUs) do not divide --gpus {args.gpus}")
+    gpu = GPUS[args.gpu]
+    rates = gpu_rates(gpu, args.dtype, args.matmul_tflops * 1e12 if args.matmul_tflops else None)
+    dp_options = {l.dp for l in layouts(args.gpus) if all(getattr(l, k) == v for k, v in fixed.items())}
+    if not any(batch % (args.micro_batch * dp) == 0 for dp in dp_options):
+        parser.error(f"--batch {batch} does not split into micro-batches of {args.micro_batch} over the "
+                     f"data-parallel ranks of any layout of {args.gpus} GPUs ({sorted(dp_options)})")
+    fits = fitting_layouts(cfg, args.gpus, args.gpu, rates, seq_len=cfg.max_seq_len, global_batch=batch,
+                           batch_size=args.micro_batch, dtype=args.dtype, checkpointing=tuple(args.ac),
+                           compile=args.compile, fixed=fixed)
+    print(f"{cfg.num_params() / 1e9:.2f}B parameters ({cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads, "
+          f"{cfg.n_kv_heads} key/value heads, vocabulary {cfg.vocab_size}); {batch} sequences of {cfg.max_seq_len} "
+          f"tokens per step on {args.gpus} x {args.gpu} ({gpu.memory / GIB:.2f} GiB each, "
+          f"{NON_TORCH_BYTES / GIB:.0f} GiB of it kept for CUDA and NCCL)")
+    print("rates: " + "; ".join(rates.sources))
+    print(f"memory: reserved = allocated x (1 + {allocator_overhead('selective'):.3f}, or "
+          f"{allocator_overhead('full'):.3f} with full checkpointing): {ALLOCATOR_SOURCE}")
+    if not fits:
+        print(f"no layout of {args.gpus} GPUs fits {gpu.memory / GIB:.2f} GiB at this batch: more GPUs, a smaller "
+              "--micro-batch, or a shorter --seq-len")
+        sys.exit(1)
+    print(f"{len(fits)} layouts fit; the fastest {min(args.top, len(fits))}, by predicted step time:")
+    print(f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'ac':>10} {'micro x accum':>13} {'alloc GiB':>9} "
+          f"{'reserved':>8} {'step s':>7} {'tok/s/GPU':>9} {'MFU':>6}")
+    for p in fits[:args.top]:
+        l, t = p.layout, p.time
+        print(f"{l.dp_replicate:>6} {l.dp_shard:>8} {l.tp:>3} {l.pp:>3} {p.train.checkpointing:>10} "
+              f"{f'{p.train.batch_size} x {p.train.grad_accum}':>13} {p.peak / GIB:>9.2f} {p.reserved / GIB:>8.2f} "
+              f"{t['seconds']:>7.3f} {t['tokens_per_s_per_gpu']:>9,.0f} {t['mfu']:>6.1%}")
+        print(f"{'':>8}collectives per step (rank 0, per call x calls): {collectives_line(p.communication)}")
+    nodes = args.gpus // gpu.gpus_per_node if args.gpus > gpu.gpus_per_node and not args.gpus % gpu.gpus_per_node else 1
+    print("the best, as the recipe runs it:\n$ " + fits[0].command(nodes=nodes, init_from=init_from))
+
+if __name__ == "__main__":
+    main()
