@@ -38,7 +38,7 @@ def test_every_launched_function_is_defined_in_the_notebook_or_in_scripts(path):
 
 # Notebooks whose workers are still handed helpers they do not name as plumbing: their lessons move into their cells
 # in later work. strict: a notebook that gets fixed must leave this list.
-HANDED_HELPERS_OPEN = {"08_pipeline_parallel", "10_parallelism_planner"}
+HANDED_HELPERS_OPEN = {"10_parallelism_planner"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="handed helpers open"))
