@@ -1,58 +1,11 @@
-"""helpers.measure.tensor_parallel turns what a tensor-parallel model computed into plain numbers: equal to the
-unsplit model's outputs and gradients, the bytes each rank holds, and the collectives per module. Real processes (2
-CPU ranks, gloo) through helpers.launch."""
+"""helpers.measure.tensor_parallel: the table of what notebook 07's TP workers returned, the collectives and bytes of a
+step, and the graph-counting compile backend. Real processes (2 CPU ranks, gloo) through helpers.launch."""
 from __future__ import annotations
 
 import pytest
 
 from helpers.launcher import launch
 from helpers.measure import tensor_parallel
-
-
-def _tp_mlp_report(report):
-    import gc
-
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    dist.init_process_group("gloo")
-    try:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
-        torch.manual_seed(0)
-        reference = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
-        ref_out = reference(x)
-        ref_out.sum().backward()
-        torch.manual_seed(0)
-        model = parallelize_module(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), mesh,
-                                   {"0": ColwiseParallel(),
-                                    "2": RowwiseParallel(output_layouts=Replicate(), use_local_output=False)})
-        with CommDebugMode() as comm:
-            out = model(x)
-            out.sum().backward()
-        result = report(model, out, reference, ref_out, comm)
-        del model, out, comm, mesh
-        return result
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-
-
-@pytest.mark.timeout(120)
-def test_tp_report_on_a_column_then_row_parallel_mlp():
-    results = launch(_tp_mlp_report, tensor_parallel.tp_report, world_size=2)
-    for r in results:
-        assert r["logits_close"] and r["grads_close"] and r["logits_gap"] < 1e-5 and r["grad_gap"] < 1e-5
-        # w1 (8x4) and its bias split by rows, w2 (4x8) by columns; w2's bias (4) whole on each rank
-        assert r["local_param_bytes"] == 4 * ((8 * 4 + 8 + 4 * 8) // 2 + 4)
-        assert r["placements"]["0.weight"] == "(Shard(dim=0),)" and r["placements"]["2.bias"] == "(Replicate(),)"
-        assert r["total"] == {"all_reduce": 1}  # the row-parallel layer's partial sums, once, in forward
-
 
 
 def test_tp_table_prints_each_setting_with_its_gaps_and_block_zero_collectives():

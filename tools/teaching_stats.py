@@ -236,6 +236,7 @@ def launched_functions(cells: list[str], written: set[str] = frozenset(), script
 class HelperArgument:
     function: str   # the launched function, as written
     argument: str   # the argument from helpers, as written
+    name: str = ""  # the helper's own name, as the notebook's markdown names it (`partial(helper, ...)`: helper)
 
 
 def helper_arguments(cells: list[str], scripts_dir: Path = SCRIPTS) -> list[HelperArgument]:
@@ -259,7 +260,7 @@ def helper_arguments(cells: list[str], scripts_dir: Path = SCRIPTS) -> list[Help
             handed += list(node.args[0].args[1:]) + [k.value for k in node.args[0].keywords]
         for arg in handed:
             if _is_function_reference(arg) and origin(arg, b, scripts) == "helpers":
-                found.append(HelperArgument(launched, ast.unparse(arg)))
+                found.append(HelperArgument(launched, ast.unparse(arg), _name(unwrap(arg)) or ast.unparse(arg)))
     return found
 
 
@@ -273,7 +274,7 @@ def unnamed_plumbing(notebook: dict, scripts_dir: Path = SCRIPTS) -> list[str]:
     """'function: argument' for each helper argument whose name no markdown cell that speaks of plumbing mentions."""
     text = named_as_plumbing(notebook)
     return sorted({f"{a.function}: {a.argument}" for a in helper_arguments(code_cells(notebook), scripts_dir)
-                   if not re.search(rf"\b{re.escape(a.argument.split('.')[-1])}\b", text)})
+                   if not re.search(rf"\b{re.escape(a.name or a.argument.split('.')[-1])}\b", text)})
 
 
 # ------------------------------------------------------------------------------------------ asserts

@@ -9,8 +9,8 @@
     activations       bytes a training step holds for backward, counted the same way on CPU and GPU
     precision         mixed precision: what the hardware offers, the matmul ceiling, GradScaler's arithmetic
     ddp               DDP from the inside: the buckets it builds, what its comm hooks hand to the wire
-    fsdp              FSDP2 held to what it should do: bytes per rank, a reference it trains like, its bf16 cost
-    tensor_parallel   notebook 07's parallel models beside one process's, bytes and collectives per strategy, compile
+    fsdp              FSDP2 held to what it should do: bytes per rank, activations by dtype, its bf16 cost
+    tensor_parallel   notebook 07's plumbing: a step's collectives and bytes, a graph-counting compile backend, tables
     pipeline          a pipeline schedule's bubble, from the actions it ran, and the bytes it keeps for backward
     parameter_server  notebook 04's parameter-server records read: rates, speed-ups, bytes per codec, a crash
     disk              a checkpoint's cost against the disk it lands on: fsync'd writes, DCP save, async save, load

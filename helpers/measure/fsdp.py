@@ -1,6 +1,6 @@
-"""FSDP2 held to what it should do: the bytes each rank holds, training beside the whole model, a precision policy
-seen from inside a rank, and what the bf16 policy costs on one GPU. Notebooks 03, 03b and 05 call these; what a
-reader copies (`fully_shard`, the policy, the step) stays in their cells and in the recipe.
+"""FSDP2 held to what it should do: the bytes each rank holds, the activations a precision policy saves by dtype, and
+what the bf16 policy costs on one GPU. Notebooks 03, 03b and 05 call these; what a reader copies (`fully_shard`, the
+policy, the step, the training beside one process) stays in their cells and in the recipe.
 
 Shards, to the byte (`fsdp_state_bytes` and the functions before it). ZeRO's arithmetic
 (`helpers.measure.memory.zero_bytes_per_rank`) assumes Ψ divides evenly by N. FSDP2 does not flatten parameters
@@ -10,21 +10,10 @@ buffer padded to ceil(dim0 / N) rows (so all-gather inputs have one size), and r
 padded reduce-scatter buffer per group. Adam's moments are `zeros_like` the unpadded local shard. These functions
 give the exact bytes each rank should hold, so a notebook can assert equality rather than closeness.
 
-Beside a reference (`train_beside_reference`, runs in a worker). The claim "FSDP trains like one process on the
-whole batch" needs a reference that sees the global batch while each rank trains on its slice of the same batch,
-the same optimizer on both, the ranks' losses averaged, and a distance between the whole parameters taken relative
-to how far the reference moved (Adam turns any gradient, even rounding noise where the true gradient is zero, into
-a step of about `lr`, so elementwise closeness means little there). None of that is what a reader learns; the FSDP
-step (passed in as `fsdp_step`) is.
-
-A precision policy from inside one rank (`precision_report`, runs in a worker). Notebook 03b claims that a bf16
-`param_dtype` all-gathers and computes in bf16 while the sharded parameters, their gradients and Adam's state stay
-fp32 (so the persistent bytes per rank do not change), that `reduce_dtype=torch.float32` reduce-scatters in fp32,
-and that a loss taken on `logits.float()` loses nothing against float64. Checking that takes a forward hook on one
-layer, a collective log and an activation meter around the first step, the state after it, and the loss of the same
-logits computed three ways. The activations are also split by dtype: not every op computes in the policy's dtype
-(RMSNorm upcasts to fp32, and where it runs as separate ops, as on the CPU, autograd saves its fp32
-intermediates), so what shrinks to half is the bf16 part, which the split shows.
+Activations by dtype (`SavedByDtype`, a meter notebook 03b's `policy_report` is handed). Not every op computes in
+a bf16 policy's dtype: RMSNorm upcasts to fp32, and where it runs as separate ops, as on the CPU, autograd saves its
+fp32 intermediates. What shrinks to half is the bf16 part, which this meter's split by dtype shows. (The lockstep
+training beside one process and the policy report themselves are the notebooks' cells: 03 and 03b.)
 
 What the bf16 policy costs at world size 1 on a GPU (`CONFIGS`, `with_ratios`, `eager_ratios`, `against_target`):
 the configurations notebook 03b's worker `bf16_step_times` times, and the ratios read from its result. With one GPU
@@ -43,18 +32,12 @@ and the load.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from helpers.measure.activations import SavedActivations
-from helpers.measure.comm_log import CollectiveLog
-from helpers.measure.memory import model_state_bytes
-
 
 
 # ------------------------------------------------------------------------------------------------- shards, to the byte
@@ -124,59 +107,7 @@ def padding_numel(shapes: Sequence[Sequence[int]], world_size: int) -> int:
     return sum((world_size * padded_rows(s[0], world_size) - s[0]) * _rest(s) for s in shapes)
 
 
-# -------------------------------------------------------------------------------------------------- beside a reference
-def train_beside_reference(device, model, reference, fsdp_step, loss_of, batch, steps: int, per_rank_batch: int,
-                           lr: float, accum: int = 1, max_norm: float | None = None,
-                           collective_log=None) -> dict:
-    """Train `model` (sharded, on this rank's slice) and `reference` (whole, on the global batch) side by side.
-
-    `fsdp_step(micro_batches)` runs FSDP's forward and backward over this rank's `accum` micro-batches and returns
-    (summed loss tensor, total gradient norm as a tensor, a DTensor or None); the harness then steps Adam. The
-    reference clips its gradients with `max_norm` when given. `batch(n, generator=g)` draws n (input, target) rows;
-    every rank draws the same global batches. Returns plain values: the losses (FSDP's averaged over ranks) and
-    the reference's step by step, the gradient norms, the first step's collectives (`collective_log`, a class, when
-    given), the parameters' distance to the reference relative to the distance the reference travelled, and the
-    element that differs most as (gap, parameter name, flat index).
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    initial = [p.detach().clone() for p in reference.parameters()]
-    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=lr) for m in (model, reference))
-    gen = torch.Generator().manual_seed(1)                      # the same global batches on every rank
-    r = {"losses": [], "ref_losses": [], "norms": [], "ref_norms": []}
-    for step in range(steps):
-        x, y = (t.to(device) for t in batch(per_rank_batch * accum * world, generator=gen))
-        ref_loss = loss_of(reference(x), y)                     # the whole batch, one process
-        ref_loss.backward()
-        if max_norm is not None:
-            r["ref_norms"].append(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm).item())
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mine = slice(rank * accum * per_rank_batch, (rank + 1) * accum * per_rank_batch)
-        log = collective_log() if collective_log and step == 0 else contextlib.nullcontext()
-        with log:
-            total, norm = fsdp_step(list(zip(x[mine].chunk(accum), y[mine].chunk(accum))))
-        if norm is not None:
-            r["norms"].append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else float(norm))
-        opt.step()
-        opt.zero_grad()
-        total = total.detach().clone()
-        dist.all_reduce(total)                                  # SUM: gloo has no AVG
-        r["losses"].append(total.item() / world)
-        r["ref_losses"].append(ref_loss.item())
-        if collective_log and step == 0:
-            r["collectives"] = log.summary()
-    with torch.no_grad():
-        names = [n for n, _ in reference.named_parameters()]
-        full = [p.to(device).full_tensor() for p in model.parameters()]   # all-gathers each parameter
-        gap = sum(((f - q) ** 2).sum() for f, q in zip(full, reference.parameters())).sqrt().item()
-        travelled = sum(((q - i) ** 2).sum() for q, i in zip(reference.parameters(), initial)).sqrt().item()
-        r["worst"] = max(((f - q).abs().max().item(), n, (f - q).abs().argmax().item())
-                         for f, q, n in zip(full, reference.parameters(), names))
-    r["relative_gap"] = gap / travelled
-    return r
-
-
-# ----------------------------------------------------------------------------- a precision policy from inside one rank
+# ---------------------------------------------------------------------------------------------- activations by dtype
 class SavedByDtype(SavedActivations):
     """`SavedActivations` that also sums the saved bytes per dtype (`by_dtype`), each storage counted once."""
 
@@ -203,43 +134,6 @@ class SavedByDtype(SavedActivations):
         for key, nbytes in self._activations.items():
             out[self._dtypes[key]] = out.get(self._dtypes[key], 0) + nbytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
-def precision_report(model, probe: str, loss_of, batch, steps: int, lr: float, device, seed: int) -> dict:
-    """Train `model` `steps` Adam steps on `batch(generator=g)` batches and report what its precision policy did.
-
-    `probe` names a Linear inside the model (e.g. "layers.0.feed_forward.w1"): the dtypes of its weight in forward,
-    its output, its sharded weight and its gradient. The first step is measured: collectives
-    (`CollectiveLog.summary()`), activations saved for backward (in all and per dtype), model state bytes after the
-    optimizer step, and the cross-entropy of its logits in float64, float32 and the logits' own dtype. Returns plain
-    values.
-    """
-    layer = model.get_submodule(probe)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    seen, losses = {}, []
-    layer.register_forward_hook(lambda m, args, output: seen.update(weight_in_forward=str(m.weight.dtype),
-                                                                    output=str(output.dtype)))
-    gen = torch.Generator().manual_seed(seed)
-    log, saved = CollectiveLog(), SavedByDtype()
-    for step in range(steps):
-        x, y = (t.to(device) for t in batch(generator=gen))
-        with log if step == 0 else contextlib.nullcontext():
-            with saved if step == 0 else contextlib.nullcontext():
-                logits = model(x)
-            loss = loss_of(logits, y)
-            loss.backward()
-        opt.step()
-        if step == 0:
-            state = model_state_bytes(model, opt)              # gradients still there: all three parts
-            grad_dtype = str(layer.weight.grad.dtype)
-            flat, target = logits.detach().flatten(0, 1), y.flatten()
-            ce = {str(dtype): F.cross_entropy(flat.to(dtype), target).double().item()
-                  for dtype in (torch.float64, torch.float32, flat.dtype)}
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {**seen, "sharded": str(layer.weight.dtype), "grad_dtype": grad_dtype, "collectives": log.summary(),
-            "state": state, "activations": saved.bytes, "activations_by_dtype": saved.by_dtype, "losses": losses,
-            "logits_dtype": str(flat.dtype), "cross_entropy": ce}
 
 
 # ------------------------------------------------------------------------------- what the bf16 policy costs on one GPU

@@ -35,7 +35,8 @@ def record_actions(stage, log: list) -> None:
     """Wrap the stage's `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk` so each call
     appends (stage_index, kind, micro-batch, start_s, end_s) to `log` (time.perf_counter, comparable across
     processes of one machine). kind: 'F' forward, 'B' full backward, and for the zero-bubble schedules, which split
-    the backward in two, 'I' (the input gradient, `full_backward=False`) and 'W' (the weight gradient)."""
+    the backward in two, 'I' (the input gradient, `full_backward=False`) and 'W' (the weight gradient). Notebook 08
+    writes the F and B recorder in its cells; this one, with I and W, is the plumbing 08b hands its workers."""
     for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         original = getattr(stage, method)
 

@@ -180,7 +180,7 @@ def scale_trajectory(init_scale: float, found_inf: list[bool], growth_factor: fl
     return scales
 
 
-# ---- Measuring machinery notebook 05's benchmark worker is handed: timing, TF32 settings, ceilings. ----
+# ---- Measuring machinery notebook 05's benchmark worker is handed: timing and ceilings (its TF32 switch is its own). ----
 
 def step_seconds(fn, device: torch.device) -> tuple[object, float]:
     """(what `fn()` returned, its seconds): CUDA events on a GPU (the GPU's own clock: the time between two points

@@ -1,53 +1,20 @@
-"""Measuring notebook 07's parallel models against their references: what a tensor-parallel model computed beside
-one process's, what TP and FSDP send and take per step, and a compiled model beside its eager twin.
+"""Measuring plumbing for notebook 07's parallel models: the collectives and bytes of one step (`step_collectives`),
+a compile backend that counts the graphs it is handed (`GraphCounter`), and the tables that print what the workers
+returned.
 
-Why a module: the notebook's workers build the models (the `parallelize_module`, the `fully_shard`, the
-`torch.compile` the reader copies); turning what they built into comparable plain numbers (largest gaps, bytes
-held, collective counts, graph counts) is bookkeeping that would bury that code. The workers are the notebook's;
-they take these functions (and `GraphCounter`, a counting compile backend) as arguments, so they import nothing
-from `helpers`; the tables turn their returned values into lines in the kernel.
+Why a module: the notebook's workers build the models and compare them with one process (the `parallelize_module`,
+the `fully_shard`, the `torch.compile` and the comparison the reader copies are the notebook's cells); counting what a
+step sends and what Dynamo compiles is machinery that would bury that code. The workers take these as arguments, so
+they import nothing from `helpers`; the tables turn their returned values into lines in the kernel.
 """
 from __future__ import annotations
 
 import torch
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on the CPU, detached: a DTensor gathered with `full_tensor()`, a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-
-
-def short_counts(counts: dict) -> dict[str, int]:
-    """CommDebugMode's {op overload: calls} as {short op name: calls} (`c10d_functional.all_gather_into_tensor`
-    -> `all_gather_into_tensor`)."""
-    return {str(op).split(".")[-1]: n for op, n in counts.items()}
-
-
-def tp_report(model, logits, reference, ref_logits, comm, rtol: float = 1e-5, atol: float = 1e-5) -> dict:
-    """A TP model after one forward and backward (under `CommDebugMode` `comm`) beside the unsplit `reference`
-    after the same: the logits' placements, largest gaps and closeness of logits and of every gradient, the
-    parameter bytes this rank holds, each parameter's placements, and the collectives per module and pass."""
-    ref_grads = {n: p.grad.detach().cpu() for n, p in reference.named_parameters()}
-    grads = {n: full(p.grad) for n, p in model.named_parameters()}
-    return {
-        "logits_placements": str(logits.placements),
-        "logits_gap": (full(logits) - ref_logits.detach().cpu()).abs().max().item(),
-        "logits_close": torch.allclose(full(logits), ref_logits.detach().cpu(), rtol=rtol, atol=atol),
-        "grads_close": all(torch.allclose(g, ref_grads[n], rtol=rtol, atol=atol) for n, g in grads.items()),
-        "grad_gap": max((g - ref_grads[n]).abs().max().item() for n, g in grads.items()),
-        "local_param_bytes": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters()),
-        "placements": {n: str(getattr(p, "placements", "plain tensor")) for n, p in model.named_parameters()},
-        "per_module": {fqn: {pass_: short_counts(ops) for pass_, ops in passes.items()}
-                       for fqn, passes in comm.comm_module_counts.items()},
-        "total": short_counts(comm.get_comm_counts()),
-    }
-
-
 def tp_table(reports: dict) -> str:
-    """One rank's `tp_report`s, {sequence parallel?: report}, as three lines each: the logits' placements and the
-    largest gaps to the reference, block 0's collectives per pass, and the whole step's."""
+    """One rank's reports from notebook 07's `compare_with_reference`, {sequence parallel?: report}, as three lines
+    each: the logits' placements and the largest gaps to the reference, block 0's collectives per pass, the step's."""
     lines = []
     for sp, r in reports.items():
         block = r["per_module"].get("GPT.layers.0", {})
