@@ -17,6 +17,7 @@
     loss_log          the recipe's loss log read back, split into the attempts of a run that resumed
     elastic_log       an elastic run cut into the stretches its workers trained
     planner           notebook 10's runs of the recipe held against the planner's predictions
+    published_runs    torchtitan's published performance tables, row by row, beside the planner's predictions
     launch_overhead   what starting N workers costs, measured alike for every launcher
     headline          the few figures a notebook marks for the run summary
     advice            one verdict on a piece of common advice, worded the same everywhere, with its noise
