@@ -715,7 +715,7 @@ class Observers:
 
     def __init__(self, args, device: torch.device, rank: int):
         self.args, self.device, self.rank, self.window = args, device, rank, args.profile_steps
-        self.writer = self.profiler = None
+        self.writer = self.profiler = self.range = None
         if args.tensorboard and rank == 0:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -739,10 +739,15 @@ class Observers:
             cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
             self.profiler.start()
+        if self.profiler is not None:                   # each step a named range in the trace
+            self.range = torch.profiler.record_function(f"train step {step}")
+            self.range.__enter__()
 
-    def after_step(self, step: int, last: bool = False) -> None:
-        """After each step; `last`: the run ends here, so write what is still recording."""
+    def after_step(self, step: int, last: bool = False) -> None:     # last: the run ends, write what records
         self.steps += 1
+        if self.profiler is not None and self.range is not None:
+            self.range.__exit__(None, None, None)
+            self.range = None
         if self.profiler is not None and (step >= self.window[1] or last):
             self.profiler.stop()
             path = Path(self.args.profile_dir) / f"trace_rank{self.rank}_steps{self.window[0]}-{step}.json"
@@ -750,8 +755,6 @@ class Observers:
             self.profiler.export_chrome_trace(str(path))
             self.profiler = self.window = None
             log(self.rank, f"step {step:>6}  profiler trace: {path} (and the other ranks'; ui.perfetto.dev opens it)")
-        elif self.profiler is not None:
-            self.profiler.step()
         if self.snapshot and (self.steps >= SNAPSHOT_STEPS or last):
             torch.cuda.memory._dump_snapshot(f"{self.snapshot}_rank{self.rank}.pickle")
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -812,8 +815,8 @@ def train(device: torch.device, args) -> dict:
     observers = Observers(args, device, rank)             # first: a memory snapshot sees the model built
     trainer = Trainer(args, device)
     cfg = trainer.cfg
+    meter = Meter(args, cfg, device, trainer.dtype)         # its matmul probe draws: before the generators load
     checkpointer, resumed = resume(trainer, args)
-    meter = Meter(args, cfg, device, trainer.dtype)
     source = f"resumed from {resumed}" if resumed else f"weights of {args.init_from}" if args.init_from else \
         "initialised"
     if resumed and not checkpointer.rng_restored:
