@@ -154,3 +154,59 @@ def test_the_pipelines_evaluation_builds_its_schedule_once(tmp_path):
         # 32 held-out windows in batches of 4: 8 batches an evaluation, each with its own schedule before
         assert rank["built"] == ["1f1b", "gpipe"], rank["built"]
         assert rank["losses"][0] == rank["losses"][1]
+
+
+def _initialise_at_two_layouts():
+    """The GPT initialised whole in one process, sharded by FSDP2 and split by tensor parallelism on these ranks:
+    every parameter gathered whole, and how many numbers this rank drew from a generator for each."""
+    import torch
+    import torch.distributed as dist
+
+    from config import preset
+    from model import GPT
+    from parallelize import apply_fsdp, build_mesh
+    from tp import apply_tp
+
+    drawn, normal = [0], torch.Tensor.normal_
+
+    def counted(tensor, *args, **kwargs):
+        drawn[0] += tensor.numel()
+        return normal(tensor, *args, **kwargs)
+
+    torch.Tensor.normal_ = counted
+    cfg = preset("tiny", dim=256, n_layers=2, n_heads=4, vocab_size=512, max_seq_len=32)
+    dist.init_process_group("gloo")
+    world, out = dist.get_world_size(), {}
+    try:
+        for name, (shard, tp) in {"fsdp": (world, 1), "tp": (1, world), "whole": (None, None)}.items():
+            if shard is None:
+                model = GPT(cfg)
+            else:
+                with torch.device("meta"):
+                    model = GPT(cfg)
+                mesh = build_mesh(world, 1, shard, tp, 1, "cpu", cfg, 32)
+                apply_tp(model, mesh["tp"], loss_parallel=True) if tp > 1 else apply_fsdp(model, mesh["dp_shard"])
+                model.to_empty(device="cpu")
+            drawn[0] = 0
+            model.init_weights(seed=3)
+            params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                      for k, v in model.state_dict().items()}
+            out[name] = {"drawn": drawn[0], "params": params}
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_each_rank_draws_only_the_rows_it_holds_and_every_layout_gets_the_same_weights():
+    """init_weights used to draw every parameter whole on every rank (then keep a piece): about 5 s per billion
+    parameters per rank here, the whole model on every rank. Now a rank draws the 64-row blocks its piece lies in."""
+    from helpers.launcher import launch
+
+    ranks = launch(_initialise_at_two_layouts, world_size=2, timeout=150, env={"CUDA_VISIBLE_DEVICES": ""})
+    whole = ranks[0]["whole"]
+    for rank in ranks:
+        for layout in ("fsdp", "tp"):
+            torch.testing.assert_close(rank[layout]["params"], whole["params"], rtol=0, atol=0)
+        assert rank["fsdp"]["drawn"] < 0.6 * whole["drawn"], (rank["fsdp"]["drawn"], whole["drawn"])
+        assert rank["tp"]["drawn"] < whole["drawn"], "tensor parallel: its column-wise pieces' rows only"
