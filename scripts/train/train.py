@@ -383,8 +383,7 @@ class Stepper(Built):
     """`step()`: one optimizer step, collective (every rank calls it)."""
 
     def _context(self):
-        """What the forward and backward run inside: loss_parallel with TP (the logits are split over the
-        vocabulary), autocast where asked and FSDP2 does not already cast."""
+        """loss_parallel with TP (the logits split over the vocabulary), autocast where FSDP2 does not cast."""
         stack = contextlib.ExitStack()
         if self.args.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -395,15 +394,17 @@ class Stepper(Built):
 
     def _accumulate(self) -> torch.Tensor:
         """--accum micro-batches, forward and backward; DDP all-reduces the gradients after the last one only
-        (no_sync before). Returns this rank's mean loss."""
-        loss = torch.zeros((), device=self.device)
-        for m in range(self.args.accum):
+        (no_sync before). Returns this rank's mean loss (one micro-batch: its loss, with no division or sum)."""
+        loss, accum = None, self.args.accum
+        for m in range(accum):
             x, y = self._next()
-            sync = m == self.args.accum - 1 or not self.ddp     # DDP: one gradient all-reduce per step
+            sync = m == accum - 1 or not self.ddp     # DDP: one gradient all-reduce per step
             with self._context(), (contextlib.nullcontext() if sync else self.train_model.no_sync()):
-                micro_loss = cross_entropy(self.train_model(x), y) / self.args.accum
+                micro_loss = cross_entropy(self.train_model(x), y)
+                micro_loss = micro_loss / accum if accum > 1 else micro_loss
                 micro_loss.backward()
-            loss += plain(micro_loss).detach()
+            part = plain(micro_loss).detach()
+            loss = part if loss is None else loss + part
         return loss
 
     def _through_stages(self, schedule_call, x, y) -> list:
