@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:  # notebook 06's commit protocol: the recipe's checkpoint.py, on the path already (a kernel) or in train/ here
-    from checkpoint import clear_staging, commit, latest, staging_dir
+    from checkpoint import agreed_latest, commit, settle_staging, staging_dir
 except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
-    from checkpoint import clear_staging, commit, latest, staging_dir
+    from checkpoint import agreed_latest, commit, settle_staging, staging_dir
 
 ENV_NAMES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "ROLE_WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
@@ -50,16 +50,17 @@ def train(ckpt_dir, log_path, device, steps=40, batch=64, features=16, hidden=64
     model = DDP(torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)).to(device),
                 device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    resume = latest(ckpt_dir)
+    if rank == 0:
+        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+        settle_staging(ckpt_dir, keep)  # this job's saves an earlier attempt left: committed if whole, else deleted
+    dist.barrier()
+    resume = agreed_latest(ckpt_dir)  # rank 0 picks, every rank loads that one
     start = int(resume.name.split("_")[1]) if resume else 0
     if resume:  # DCP reads each rank's view of the state, whatever world size wrote it
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=resume)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if rank == 0:
-        clear_staging(ckpt_dir)  # saves that never finished
-    dist.barrier()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     mean = torch.tensor(float("nan") * world)  # a run started after its last step trains nothing: loss nan

@@ -1,7 +1,8 @@
 """The commit protocol of the training recipe (scripts/train/checkpoint.py, made of notebook 06's cells, and imported
 by notebook 09's scripts/cluster_ddp.py), with real DCP checkpoints in one process: a save becomes visible only once
-complete, a crash during a save leaves the previous checkpoint the one that loads, and only the newest `keep`
-stay."""
+complete, a crash during a save or a commit leaves a committed checkpoint the one that loads, only the newest `keep`
+stay, everything is fsynced, start-up settles its own job's saves and leaves another job's alone; and with real
+processes (helpers.launch): every rank loads the checkpoint rank 0 picks, or all refuse with one line."""
 from __future__ import annotations
 
 import json
@@ -55,14 +56,86 @@ def test_keep_last_k_and_the_newest_is_latest(tmp_path):
     assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 100.0))
 
 
-def test_a_step_saved_again_replaces_the_committed_one(tmp_path):
-    # a rerun of a finished run saves its last step again: the new save wins, and it stays one checkpoint
+def test_a_step_committed_already_stays_and_its_duplicate_is_dropped(tmp_path):
+    # a step saved again (a second job in the directory, a rerun): the committed one is never deleted to make room
     save_step(tmp_path, 7, 7.0)
     recipe.commit(tmp_path, 7)
     save_step(tmp_path, 7, 8.0)
-    recipe.commit(tmp_path, 7)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000007"]
-    assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 8.0))
+    assert recipe.commit(tmp_path, 7) == tmp_path / "step_00000007"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000007"], "the duplicate's staging folder is gone"
+    assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 7.0))
+
+
+def test_a_crash_in_a_commit_leaves_a_committed_checkpoint_that_loads(tmp_path, monkeypatch):
+    """The old commit deleted an existing step_N, then renamed: a crash between the two (simulated: the rename
+    raises) lost the newest checkpoint. Now nothing committed is deleted before a newer one is committed."""
+    def crash(*args):
+        raise OSError("killed between the delete and the rename")
+
+    save_step(tmp_path, 7, 7.0)
+    recipe.commit(tmp_path, 7, keep=1)
+    for step, value in ((7, 8.0), (9, 9.0)):          # the same step again; a newer step with keep=1
+        save_step(tmp_path, step, value)
+        with monkeypatch.context() as m:
+            m.setattr(recipe.os, "rename", crash)
+            try:
+                recipe.commit(tmp_path, step, keep=1)
+            except OSError:
+                pass
+        assert recipe.latest(tmp_path) == tmp_path / "step_00000007", f"after the crash committing step {step}"
+        assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 7.0))
+
+
+def test_keep_must_be_at_least_one(tmp_path):
+    # `[:-0]` kept everything and a negative keep deleted the newest
+    save_step(tmp_path, 1, 1.0)
+    for keep in (0, -1):
+        with pytest.raises(ValueError, match="keep must be at least 1"):
+            recipe.commit(tmp_path, 1, keep=keep)
+    assert recipe.latest(tmp_path) is None and recipe.staging_dir(tmp_path, 1).exists(), "nothing done"
+
+
+def test_a_commit_fsyncs_the_files_the_folder_and_its_parent(tmp_path, monkeypatch):
+    import os
+
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(recipe.os, "fsync", fsync)
+    save_step(tmp_path, 3, 3.0)
+    staged = recipe.staging_dir(tmp_path, 3)
+    recipe.commit(tmp_path, 3, config={"model": {}})
+    assert {str(staged / ".metadata"), str(staged / recipe.CONFIG_FILE), str(staged), str(tmp_path)} <= set(synced)
+
+
+def test_start_up_commits_its_own_whole_save_and_leaves_another_jobs_alone(tmp_path):
+    """Two jobs in one directory. Job b's earlier attempt died after its save of step 4 was complete but before
+    rank 0 renamed it, and during its save of step 6; job a is saving steps 8 (complete, not yet committed) and 10.
+    Job b's start-up commits its step 4, deletes its torn step 6, and touches nothing of job a's."""
+    for step, job in ((4, "b"), (6, "b"), (8, "a"), (10, "a")):
+        dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=recipe.staging_dir(tmp_path, step, job),
+                 no_dist=True)
+    for step, job in ((6, "b"), (10, "a")):
+        (recipe.staging_dir(tmp_path, step, job) / ".metadata").unlink()
+    others = recipe.settle_staging(tmp_path, keep=2, job="b")
+    theirs = [recipe.staging_dir(tmp_path, 8, "a"), recipe.staging_dir(tmp_path, 10, "a")]
+    assert others == theirs and all(p.exists() for p in theirs)
+    assert (theirs[0] / ".metadata").exists(), "job a's complete save is job a's to commit"
+    assert recipe.latest(tmp_path) == tmp_path / "step_00000004"
+    assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 4.0))
+    assert not recipe.staging_dir(tmp_path, 6, "b").exists(), "its own torn save is deleted"
+
+
+def test_a_job_is_torchruns_run_id_made_safe_as_a_name(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run/1 x")
+    assert recipe.job_id() == "run_1_x" and recipe.staging_dir("d", 5).name == ".step_00000005.run_1_x.partial"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert recipe.job_id() == "4242"
 
 
 def test_commit_writes_the_runs_configuration_beside_the_data_when_given(tmp_path):
@@ -98,7 +171,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_the_one_that_loads
     assert (recipe.staging_dir(tmp_path, 20) / "__0_0.distcp").exists(), "the torn save is on disk"
     assert recipe.latest(tmp_path) == tmp_path / "step_00000010"
     assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 10.0))
-    recipe.clear_staging(tmp_path)  # what the next run does before it saves
+    recipe.settle_staging(tmp_path)  # what the next run of this job does before it saves
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010"]
 
 
@@ -106,7 +179,7 @@ def test_the_cluster_script_commits_with_the_same_protocol():
     sys.path.insert(0, str(SCRIPTS))
     import cluster_ddp
 
-    for name in ("staging_dir", "commit", "latest", "clear_staging"):
+    for name in ("staging_dir", "commit", "agreed_latest", "settle_staging"):
         assert getattr(cluster_ddp, name) is getattr(recipe, name), f"cluster_ddp.py has its own {name}"
 
 
@@ -117,7 +190,7 @@ def test_an_async_save_is_committed_by_poll_once_written_and_not_before(tmp_path
 
     monkeypatch.setattr(recipe.dist, "get_rank", lambda: 0)  # rank 0 commits; no process group needed for that
     checkpointer = object.__new__(recipe.Checkpointer)       # its __init__ makes a gloo group: not needed here
-    checkpointer.root, checkpointer.keep, checkpointer.config = tmp_path, 2, {}
+    checkpointer.root, checkpointer.keep, checkpointer.config, checkpointer.job = tmp_path, 2, {}, recipe.job_id()
     save_step(tmp_path, 4, 4.0)
     written = Future()
     checkpointer.pending = (written, 4)
@@ -127,3 +200,60 @@ def test_an_async_save_is_committed_by_poll_once_written_and_not_before(tmp_path
     checkpointer.poll()
     assert recipe.latest(tmp_path) == tmp_path / "step_00000004" and checkpointer.pending is None
     assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 4.0))
+
+
+def test_the_generators_come_back_at_the_world_size_that_saved_them_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(recipe.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(recipe.dist, "get_world_size", lambda: 2)
+    torch.manual_seed(5)
+    recipe.save_rng(tmp_path)
+    drawn = torch.rand(3)
+    assert recipe.load_rng(tmp_path) and torch.equal(torch.rand(3), drawn), "rank 1's state, restored"
+    assert (tmp_path / recipe.RNG_DIR / "rank00001.pt").exists()
+    monkeypatch.setattr(recipe.dist, "get_world_size", lambda: 3)
+    before = torch.get_rng_state()
+    assert not recipe.load_rng(tmp_path) and torch.equal(torch.get_rng_state(), before), "another world: ignored"
+
+
+def _views_of_one_directory(base, newest_for_rank1):
+    """Every rank's Checkpointer on its own view of the checkpoint directory (disks not shared, or a network file
+    system's stale cache): rank 0 sees steps 2 and 4, rank 1 `newest_for_rank1`. Returns what each rank loaded,
+    or the error it raised."""
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import checkpoint
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root = Path(base) / f"view{rank}"
+    if rank == 0:
+        for view, steps in (("view0", (2, 4)), ("view1", newest_for_rank1)):
+            for step in steps:
+                dcp.save({"train": {"w": torch.full((4,), float(step))}}, no_dist=True,
+                         checkpoint_id=checkpoint.staging_dir(Path(base) / view, step))
+                checkpoint.commit(Path(base) / view, step)
+    dist.barrier()
+    try:
+        state = {"w": torch.zeros(4)}
+        path = checkpoint.Checkpointer(root).load_latest(state)
+        return {"path": path.name, "w": state["w"][0].item()}
+    except checkpoint.CheckpointError as error:
+        return {"error": str(error)}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_loads_rank_0s_pick_or_all_refuse_in_one_line(tmp_path):
+    from helpers.launcher import launch
+
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    newer = launch(_views_of_one_directory, str(tmp_path / "a"), (2, 4, 6), world_size=2, timeout=60, env=env)
+    assert newer == [{"path": "step_00000004", "w": 4.0}] * 2, "rank 1 sees a newer step 6: it loads rank 0's 4"
+    older = launch(_views_of_one_directory, str(tmp_path / "b"), (2,), world_size=2, timeout=60, env=env)
+    assert all("step_00000004, which rank 1 cannot see" in r["error"] for r in older), older
+    assert all(len(r["error"].splitlines()) == 1 for r in older), "every rank refuses, in one line"

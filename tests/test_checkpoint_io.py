@@ -1,8 +1,7 @@
 """Unit tests of helpers.measure.disk: the summary of a checkpoint's costs (what notebook 06's save_costs worker
-returns; the notebook runs that worker, in smoke mode too), a folder's layout, the crash demos' launches."""
+returns; the notebook runs that worker, in smoke mode too), a folder's layout."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from helpers.measure import disk
@@ -84,42 +83,3 @@ def test_whole_checkpoint_reads_a_dcp_folder_in_one_process(tmp_path):
     whole = disk.whole_checkpoint(tmp_path / "ckpt", tmp_path / "whole.pt")
     assert (tmp_path / "whole.pt").exists() and whole["app"]["step"] == 3
     torch.testing.assert_close(whole["app"]["w"], state["app"]["w"], rtol=0, atol=0)
-
-
-def _save_a_then_die(root, tag):
-    torch.save({"tag": tag, "name": "A"}, f"{root}/state_A.pt")
-    torch.save({"tag": tag, "name": "B"}, f"{root}/state_B.pt")
-    raise RuntimeError("died saving B")
-
-
-def _load(folder):
-    if folder.endswith("torn"):
-        raise RuntimeError("cannot load a torn checkpoint")
-    return {"step": 2, "folder": folder}
-
-
-def test_crash_then_load_keeps_both_states_and_what_loaded(tmp_path, monkeypatch, capsys):
-    from helpers import launcher
-    from helpers.launcher.errors import RankFailure, WorkerError
-
-    calls = []
-
-    def fake_launch(fn, *args, world_size, timeout, env=None, quiet=False):
-        calls.append((fn.__name__, args, world_size, env, quiet))
-        try:
-            return [fn(*args)]
-        except RuntimeError as error:
-            failure = RankFailure(rank=world_size - 1, kind="exception", message=str(error))
-            raise WorkerError(failure, [failure]) from None
-
-    monkeypatch.setattr(launcher, "launch", fake_launch)
-    good = disk.crash_then_load(_save_a_then_die, _load, tmp_path / "ok", lambda root: root / "newest", "x",
-                                world_size=2, timeout=5, env={"E": "1"})
-    assert "ok: the save of B crashed (died saving B, rank 1)" in capsys.readouterr().out
-    assert good["step"] == 2 and good["folder"] == str(tmp_path / "ok" / "newest")
-    assert good["A"] == {"tag": "x", "name": "A"} and good["B"]["name"] == "B"
-    assert calls[0] == ("_save_a_then_die", (str(tmp_path / "ok"), "x"), 2, {"E": "1"}, True)
-    assert calls[1][2:] == (1, None, True), "the load: one process, the kernel's environment"
-    bad = disk.crash_then_load(_save_a_then_die, _load, tmp_path / "bad", lambda root: root / "torn", "y",
-                               world_size=2, timeout=5)
-    assert bad["error"] == "cannot load a torn checkpoint" and bad["A"]["tag"] == "y"

@@ -1,5 +1,6 @@
 """Checkpoints of the training recipe (scripts/train/checkpoint.py, made of notebook 06's cells) carry no rank- or
-device-specific keys: one written at 2 ranks loads at 1 and at 3 with equal parameters, outputs and data position,
+device-specific keys (each rank's generators travel in files beside the DCP state, restored only at the world size
+that wrote them): one written at 2 ranks loads at 1 and at 3 with equal parameters, outputs and data position,
 and one written by a GPU run with extra per-rank, per-device entries (the layout that failed with "Missing key
 app.rank0.cuda_rng") loads on the CPU. CPU only, real processes through helpers.launch."""
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _load_and_predict(folder, flags):
             trainer.model.reshard()
         params = {k: train.plain(v).cpu() for k, v in trainer.model.state_dict().items()}
         return {"params": params, "logits": logits, "step": trainer.state.step,
-                "next": next(iter(trainer.loader))[0]}
+                "next": next(iter(trainer.loader))[0], "rng_restored": train.ckpt.load_rng(folder)}
 
     return train.run_distributed(body)
 
@@ -93,10 +94,12 @@ def test_saved_at_two_ranks_loads_at_one_and_three_with_equal_outputs_and_data_p
     folder = recipe.latest(tmp_path / "ckpt")
     keys = list(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
     assert keys and not [k for k in keys if re.search(r"rank|cuda|cpu", k)], "no key names a rank or a device"
+    assert len(list((folder / recipe.RNG_DIR).glob("rank*.pt"))) == 2, "each rank's generators beside the state"
     saved = torch.load(recipe.export(folder, tmp_path / "saved.pt"))["model"]  # the whole model, by one process
     one, three = (launch(_load_and_predict, str(folder), flags, **_ranks(n)) for n in (1, 3))
     for loaded in (one[0], *three):
         assert loaded["step"] == 2 and _equal(loaded["params"], saved)
+        assert not loaded["rng_restored"], "generators saved at 2 ranks are not restored at another world size"
         # float32 kernels of two devices (1 rank on a GPU where there is one, 3 on CPUs) or thread counts sum in
         # other orders: about 1e-6 apart relative (TF32, about 1e-3, is off for CUDA matmuls by default)
         assert torch.allclose(loaded["logits"], one[0]["logits"], rtol=1e-4, atol=1e-5)

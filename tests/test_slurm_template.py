@@ -19,6 +19,7 @@ from helpers.cluster.torchrun import torchrun_path
 from helpers.paths import REPO_ROOT
 
 SLURM = REPO_ROOT / "slurm"
+READMES = (REPO_ROOT / "README.md", REPO_ROOT / "scripts" / "train" / "README.md")
 
 SRUN = r'''#!{python}
 """srun stub: one local process per task, each with its SLURM_* task variables."""
@@ -74,7 +75,7 @@ def test_the_recipe_template_runs_a_two_node_job_that_saves_on_sigterm_and_resum
     # submission again must resume there and train to the end.
     recipe, ckpt = REPO_ROOT / "scripts" / "train" / "train.py", tmp_path / "ckpt"
     flags = ["--steps", "4", "--batch", "4", "--seq-len", "32", "--log-every", "1", "--eval-windows", "4",
-             "--ckpt-dir", str(ckpt), "--save-every", "0"]
+             "--ckpt-dir", str(ckpt), "--save-every", "0", "--stop-check-every", "2"]
     stopped = json.loads(summary_of(run_template(SLURM / "train.sbatch", tmp_path, recipe, *flags, "--crash-at",
                                                  "2", "--crash-signal", "TERM")).removeprefix("summary:"))
     assert (stopped["world_size"], stopped["stopped"], stopped["step"]) == (2, True, 2), stopped
@@ -92,3 +93,28 @@ def test_the_template_runs_notebook_09s_script_as_a_two_node_job(tmp_path: Path)
     assert "world=2" in summary_of(run)
     envs = sorted((tmp_path / "out" / "env").glob("attempt0_rank*.json"))
     assert len(envs) == 2, "one worker per node, two nodes"
+
+
+def _shell_lines(text: str) -> list[str]:
+    """The lines of a file's ```bash blocks (all of a shell script), comments dropped."""
+    blocks = text.split("```")[1::2] if "```" in text else [text]
+    lines = [line.split(" #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line and (not line.startswith("#") or line.startswith("#SBATCH"))]
+
+
+def test_the_readmes_slurm_lines_say_and_do_what_the_template_does():
+    """Under `set -o pipefail` `head -n 1` can fail a job (it may exit before scontrol has written the list), and
+    torchrun kills its workers 30 s after passing SIGTERM on unless told otherwise: too little for the ranks to
+    reach their next stop check and save. Every SLURM line the READMEs show either runs the template or does what it
+    does: the first host with `sed -n 1p`, and a shutdown timeout that fits within the --signal lead."""
+    template = _shell_lines((SLURM / "train.sbatch").read_text())
+    for lines in [template] + [_shell_lines(readme.read_text()) for readme in READMES]:
+        text = "\n".join(lines)
+        assert "head -n" not in text and "head -1" not in text, text
+        if "srun" not in text:
+            continue
+        lead = int(next(line for line in lines if "--signal=TERM@" in line).split("--signal=TERM@")[1].split()[0])
+        timeout = next(line for line in lines if "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=" in line)
+        seconds = int(timeout.split("=", 1)[1].replace("${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-", "").rstrip("}"))
+        assert 30 < seconds < lead and "sed -n 1p" in text and "set -euo pipefail" in text, text
+    assert "sbatch slurm/train.sbatch" in READMES[0].read_text(), "the cookbook's README runs the template"

@@ -3,17 +3,18 @@
 BPE of TOKENIZER_VOCAB tokens), every layout a torchrun command line on CPU ranks (gloo; the GPUs hidden, so the
 runs are the same on any machine).
 
-What is proved, each from runs made once and shared between the asserts (a module-scoped fixture runs them all,
-a few at a time):
-- every layout (DDP, FSDP2, HSDP, TP, FSDP x TP, pipeline, pipeline x TP) gives the one-process run's losses, step by step, and
-  its evaluation loss, within LOSS_RTOL; with the options a layout's run also carries (torch.compile and full
-  activation checkpointing with DDP, selective checkpointing and flags from --config with TP, every other block
-  checkpointed in the pipeline, async saves with FSDP2), which must not change what is computed;
-- a run killed (SIGKILL, as a lost node) after step 2 and run again resumes from its checkpoint and then matches
-  the uninterrupted run bit for bit, losses and final weights; so does one stopped by SIGTERM (which saves and
-  exits with status 0);
-- a checkpoint written by FSDP2 on 2 ranks, loaded by a 2-stage pipeline, trains on to the same losses and the
-  same evaluation loss (within LOSS_RTOL): weights, optimizer state, schedule and data position all carried over;
+The recipe's own `selftest.py` runs first, from the copy, as a copier would run it after an edit: every layout of
+2 processes (FSDP2, TP, pipeline) gives one process's losses, a run killed by SIGKILL after step 3 resumes from its
+step-2 checkpoint bit for bit with each step once in its metrics file, the model gathered at the end is the
+checkpoint's, and FSDP2's checkpoint trains on in a pipeline. Its runs (kept in `st/`) are this module's too:
+nothing runs twice. What else is proved, each from runs made once and shared between the asserts (a module-scoped
+fixture runs them all, a few at a time, with selftest's runner):
+- DDP (with torch.compile and full activation checkpointing, and the TensorBoard, profiler and memory-snapshot
+  flags, which must not change what is computed) and the 4-rank layouts (HSDP, FSDP x TP, pipeline x TP) give the
+  one-process run's losses within LOSS_RTOL;
+- a model with dropout (a wrapper adds it) stopped by SIGTERM, with the ranks agreeing every 2 steps, saves within
+  one interval and exits 0; resumed, it matches the uninterrupted run bit for bit: each rank's generator travels
+  with the checkpoint;
 - the checkpoint exported to Hugging Face's format opens with `LlamaForCausalLM.from_pretrained` and gives the
   recipe's logits; `--init-from` that folder at another layout (tensor parallel) starts from exactly those weights;
   generate.py writes text from the checkpoint and from the folder alike, with and without its key/value cache;
@@ -24,14 +25,12 @@ The 4-process runs are marked `four_ranks` (deselect with -m 'not four_ranks').
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -39,82 +38,53 @@ import pytest
 from helpers.paths import SCRIPTS
 
 RECIPE = SCRIPTS / "train"
-# Same weights (init_weights draws each parameter whole from (seed, name)), same windows per step (the sampler cuts
-# one permutation into global batches): the layouts differ only in the order of float32 sums (all-reduce against
-# local sums, matmuls over sharded dimensions), a few ulps (float32's is 1.2e-7) of a loss near 5.5, grown a little
-# by 4 Adam steps. Measured here: at most 1e-7 relative. A layout that is wrong (a missed reduction, a rank on the
-# wrong windows, a misplaced shard, a resume off by one batch) moves the loss in the second or third digit.
+# Same weights (init_weights draws each parameter from (seed, name), the same numbers at every layout), same windows
+# per step (the sampler cuts one permutation into global batches): the layouts differ only in the order of float32
+# sums (all-reduce against local sums, matmuls over sharded dimensions), a few ulps (float32's is 1.2e-7) of a loss
+# near 5.5, grown a little by 4 Adam steps. Measured here: at most 1e-7 relative. A layout that is wrong (a missed
+# reduction, a rank on the wrong windows, a misplaced shard, a resume off by one batch) moves the loss in the
+# second or third digit.
 LOSS_RTOL = 1e-5
-TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "16", "--batch", "8",
-        "--steps", "4",
-        "--log-every", "2", "--eval-windows", "32", "--dtype", "fp32", "--no-compile"]
 PARALLEL = 3          # torchrun jobs at once: their start (importing torch) waits on I/O as much as on the cores
-RUN_TIMEOUT_S = 400
+SELFTEST_PARALLEL = 2
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata", "safetensors", "tokenizers"}
 TOKENIZER_VOCAB = 512
 PROMPT = "The with statement"
+# What a user's edit might add: dropout after each block's feed-forward (train.py run through this wrapper)
+DROPOUT = """import torch.nn.functional as F
+import model
+feed_forward = model.FeedForward.forward
+model.FeedForward.forward = lambda self, x: F.dropout(feed_forward(self, x), 0.2, self.training)
+import train
+train.main()
+"""
+# TensorBoard is not installed here: a stand-in torch.utils.tensorboard whose SummaryWriter keeps the scalars
+OBSERVE = """import json, os, sys, types
+class SummaryWriter:
+    def __init__(self, folder):
+        os.makedirs(folder, exist_ok=True)
+        self.file = open(os.path.join(folder, "scalars.jsonl"), "a")
+    def add_scalar(self, name, value, step):
+        print(json.dumps({"name": name, "value": value, "step": step}), file=self.file, flush=True)
+    def close(self):
+        self.file.close()
+sys.modules["torch.utils.tensorboard"] = types.SimpleNamespace(SummaryWriter=SummaryWriter)
+import train
+train.main()
+"""
 
 
-@dataclass
-class Job:
-    """One command in the workspace: torchrun with `nproc` ranks (None: plain python), after the jobs in `after`;
-    `before` runs first (in the test process: copying a checkpoint)."""
-    name: str
-    args: list[str]
-    nproc: int | None = 1
-    after: tuple[str, ...] = ()
-    before: object = None
-    env: dict = field(default_factory=dict)
+def _selftest():
+    """The recipe's selftest.py as a module: its Job, Result and runner serve this file's runs too."""
+    sys.path.insert(0, str(RECIPE))           # it imports the recipe's modules by name
+    spec = importlib.util.spec_from_file_location("recipe_selftest", RECIPE / "selftest.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # a dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
 
 
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-    metrics: list[dict]
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-    def losses(self) -> dict[int, float]:
-        return {m["step"]: m["loss"] for m in self.metrics if "loss" in m}
-
-    def final_eval(self) -> float:
-        return next(m["eval_loss"] for m in self.metrics if m.get("final"))
-
-
-def _run_all(workspace: Path, env: dict, jobs: list[Job]) -> dict[str, Result]:
-    """Run `jobs` (PARALLEL at a time, each after its dependencies) and return their results by name."""
-    done: dict[str, threading.Event] = {job.name: threading.Event() for job in jobs}
-    results: dict[str, Result] = {}
-
-    def run(job: Job) -> None:
-        try:
-            for name in job.after:
-                done[name].wait()
-            if job.before:
-                job.before(workspace)
-            metrics = workspace / f"{job.name}.jsonl"
-            if job.nproc is None:
-                command = [sys.executable, *(job.args if job.args[0].endswith(".py") else ["train.py", *job.args])]
-            else:
-                command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={job.nproc}", "train.py", "--data", "tokens.bin", *TINY,
-                           "--metrics", str(metrics), *job.args]
-            proc = subprocess.run(command, cwd=workspace, env=env | job.env, capture_output=True, text=True,
-                                  timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
-            lines = metrics.read_text().splitlines() if metrics.exists() else []
-            results[job.name] = Result(proc.returncode, proc.stdout, proc.stderr, [json.loads(x) for x in lines])
-        finally:
-            done[job.name].set()
-
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        # jobs are submitted in order and wait only on earlier ones, so PARALLEL threads never all wait
-        for future in [pool.submit(run, job) for job in jobs]:
-            future.result()
-    return results
+selftest = _selftest()
+Job, Result = selftest.Job, selftest.Result
 
 
 @pytest.fixture(scope="module")
@@ -131,52 +101,47 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
     from pydoc_data.topics import topics
 
     (root / "tp.json").write_text(json.dumps({"tp": 2, "ac": "selective"}))   # flags from a file
+    (root / "dropout.py").write_text(DROPOUT)
+    (root / "observe.py").write_text(OBSERVE)
     (root / "corpus.txt").write_text("\n\n".join(topics[key] for key in sorted(topics)), encoding="utf-8")
     (root / "not_llama").mkdir()
     (root / "not_llama" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     for out, tokenizer in (("tokens.bin", ["--train-tokenizer", str(TOKENIZER_VOCAB)]), ("bytes.bin", [])):
         prepared = subprocess.run([sys.executable, "train.py", "prepare", "--text", "corpus.txt", "--out", out,
                                    *tokenizer], cwd=root, env=env, capture_output=True, text=True,
-                                  timeout=RUN_TIMEOUT_S)
+                                  timeout=selftest.RUN_TIMEOUT_S)
         assert prepared.returncode == 0, prepared.stderr
     return root, env
 
 
-def _copy_step(source: str, step: int, target: str):
-    def copy(root: Path) -> None:
-        shutil.copytree(root / source / f"step_{step:08d}", root / target / f"step_{step:08d}")
-    return copy
-
-
 @pytest.fixture(scope="module")
 def runs(workspace) -> dict[str, Result]:
-    """Every run of 1 or 2 ranks the tests below read, each made once."""
+    """Every run of 1 or 2 ranks the tests below read, each made once: selftest.py's (in st/) and this file's."""
     root, env = workspace
-    ckpt = ["--save-every", "2"]
-    return _run_all(root, env, [
-        Job("one", [], 1),
-        Job("fsdp", ["--ckpt-dir", "ck_fsdp", *ckpt, "--eval-every", "2", "--async-save", "--export", "live.pt"], 2),
-        Job("crash", ["--ckpt-dir", "ck_crash", *ckpt, "--crash-at", "2"], 2),
-        Job("ddp", ["--dp-replicate", "2", "--dp-shard", "1", "--compile", "--ac", "full"], 2),
-        Job("tp", ["--config", "tp.json"], 2),
-        Job("pp", ["--pp", "2", "--accum", "2", "--ac", "alternate"], 2),
-        Job("term", ["--ckpt-dir", "ck_term", "--save-every", "3", "--crash-at", "2", "--crash-signal", "TERM"], 1),
-        Job("resumed", ["--ckpt-dir", "ck_crash", *ckpt], 2, after=("crash",)),
-        Job("term_resumed", ["--ckpt-dir", "ck_term"], 1, after=("term",)),
-        Job("resharded", ["--ckpt-dir", "ck_reshard", "--pp", "2", "--accum", "2"], 2, after=("fsdp",),
-            before=_copy_step("ck_fsdp", 2, "ck_reshard")),
-        Job("export_fsdp", ["export", "--ckpt-dir", "ck_fsdp", "--out", "fsdp.pt"], None, after=("fsdp",)),
-        Job("export_resumed", ["export", "--ckpt-dir", "ck_crash", "--out", "resumed.pt"], None,
-            after=("resumed",)),
-        Job("export_hf", ["export", "--ckpt-dir", "ck_fsdp", "--format", "hf", "--out", "hf_llama"], None,
-            after=("fsdp",)),
-        Job("init_from", ["--init-from", "hf_llama", "--tp", "2", "--lr", "0", "--steps", "1"], 2, after=("export_hf",)),
-        Job("generate_ckpt", ["generate.py", "--model", "ck_fsdp", "--prompt", PROMPT, "--max-new-tokens", "12"],
-            None, after=("fsdp",)),
+    st = ["--ckpt-dir", "st/ck_fsdp"]
+    results = selftest.run_jobs(root, env, [
+        Job("selftest", ["selftest.py", "--keep", "st", "--data", "tokens.bin", "--parallel",
+                         str(SELFTEST_PARALLEL)], None),
+        Job("ddp", ["observe.py", "--dp-replicate", "2", "--dp-shard", "1", "--compile", "--ac", "full",
+                    "--tensorboard", "tb", "--profile-steps", "2:3", "--profile-dir", "prof",
+                    "--memory-snapshot", "snap"], 2),
+        Job("dropout", ["dropout.py"], 2),
+        Job("term", ["dropout.py", "--ckpt-dir", "ck_term", "--save-every", "3", "--stop-check-every", "2",
+                     "--crash-at", "1", "--crash-signal", "TERM"], 2),
+        Job("term_resumed", ["dropout.py", "--ckpt-dir", "ck_term"], 2, after=("term",), metrics="term"),
+        Job("export_fsdp", ["export", *st, "--out", "fsdp.pt"], None, after=("selftest",)),
+        Job("export_resumed", ["export", "--ckpt-dir", "st/ck_crash", "--out", "resumed.pt"], None,
+            after=("selftest",)),
+        Job("export_hf", ["export", *st, "--format", "hf", "--out", "hf_llama"], None, after=("selftest",)),
+        Job("init_from", ["--init-from", "hf_llama", "--tp", "2", "--lr", "0", "--steps", "1",
+                          "--tensorboard", "tb_missing"], 2, after=("export_hf",)),
+        Job("generate_ckpt", ["generate.py", "--model", "st/ck_fsdp", "--prompt", PROMPT, "--max-new-tokens", "12"],
+            None, after=("selftest",)),
         Job("generate_hf", ["generate.py", "--model", "hf_llama", "--prompt", PROMPT, "--max-new-tokens", "12"],
             None, after=("export_hf",)),
-        *[Job(f"sample{suffix}", ["generate.py", "--model", "ck_fsdp", "--prompt", PROMPT, "--max-new-tokens", "12",
-                                  "--temperature", "0.9", "--top-k", "20", "--seed", "3", *flags], None, after=("fsdp",))
+        *[Job(f"sample{suffix}", ["generate.py", "--model", "st/ck_fsdp", "--prompt", PROMPT, "--max-new-tokens",
+                                  "12", "--temperature", "0.9", "--top-k", "20", "--seed", "3", *flags], None,
+              after=("selftest",))
           for suffix, flags in (("", []), ("_no_cache", ["--no-cache"]))],
         Job("bad_flag", ["--no-such-flag"], None),
         Job("bad_layout", ["--tp", "3"], None, env={"WORLD_SIZE": "4"}),
@@ -185,19 +150,24 @@ def runs(workspace) -> dict[str, Result]:
             env={"WORLD_SIZE": "2"}),
         Job("bad_vocab", ["--data", "tokens.bin", "--vocab-size", "256"], None),
         Job("bad_hf", ["--init-from", "not_llama"], None),
-    ])
+        Job("bad_keep", ["--keep", "0"], None),
+    ], PARALLEL, ["tokens.bin"])
+    saved = root / "st" / "results.json"
+    for name, fields in (json.loads(saved.read_text()) if saved.exists() else {}).items():
+        results[name] = Result(**fields)
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs4(workspace) -> dict[str, Result]:
     """The runs of 4 ranks (4 processes on this machine's cores: slow, and grouped)."""
     root, env = workspace
-    return _run_all(root, env, [
+    return selftest.run_jobs(root, env, [
         Job("fsdp4", [], 4),
         Job("hsdp", ["--dp-replicate", "2", "--dp-shard", "2"], 4),
         Job("fsdp_tp", ["--tp", "2"], 4),
         Job("pp_tp", ["--pp", "2", "--tp", "2", "--accum", "2"], 4),
-    ])
+    ], PARALLEL, ["tokens.bin"])
 
 
 def _assert_clean(result: Result, name: str) -> None:
@@ -272,33 +242,71 @@ def test_a_layout_of_four_ranks_matches_one_process(runs, runs4, layout):
     _assert_same_losses(runs4[layout], runs["one"], layout)
 
 
-def test_a_run_killed_by_sigkill_resumes_bit_for_bit(runs, workspace):
+def test_the_recipes_selftest_passes_from_a_copy_of_the_folder(runs):
+    """selftest.py, run from the copy as a copier runs it: every check it makes holds (its runs are read below)."""
+    result = runs["selftest"]
+    _assert_clean(result, "selftest.py")
+    checks = [line for line in result.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
+    assert len(checks) >= 10 and all(line.startswith("ok") for line in checks), result.stdout
+    assert "checks hold" in result.stdout.splitlines()[-1]
+
+
+def test_a_run_killed_by_sigkill_resumes_bit_for_bit_and_logs_each_step_once(runs, workspace):
     import torch
 
     root, _ = workspace
     crash, resumed, uninterrupted = runs["crash"], runs["resumed"], runs["fsdp"]
-    assert crash.returncode != 0 and sorted(crash.losses()) == [1, 2], crash.output[-3000:]
+    assert crash.returncode != 0 and sorted(crash.losses()) == [1, 2, 3], crash.output[-3000:]
     _assert_clean(resumed, "resumed")
     assert "resumed from ck_crash/step_00000002" in resumed.stdout, resumed.stdout
-    assert resumed.losses() == {s: uninterrupted.losses()[s] for s in (3, 4)}
+    # the killed attempt logged step 3 after its last checkpoint; the resumed one dropped that line and logged it anew
+    assert [m["step"] for m in resumed.metrics if "loss" in m] == [1, 2, 3, 4]
+    assert resumed.losses() == uninterrupted.losses()
     assert resumed.final_eval() == uninterrupted.final_eval()
     for name in ("export_fsdp", "export_resumed"):
         _assert_clean(runs[name], name)
-    mine, theirs, live = (torch.load(root / f, weights_only=True) for f in ("resumed.pt", "fsdp.pt", "live.pt"))
+    mine, theirs, live = (torch.load(root / f, weights_only=True) for f in ("resumed.pt", "fsdp.pt", "st/live.pt"))
     assert mine["config"] == theirs["config"] == live["config"]
     torch.testing.assert_close(mine["model"], theirs["model"], rtol=0, atol=0)
     # the export the training processes wrote at the end (gathered by get_model_state_dict) is the same model
     torch.testing.assert_close(live["model"], theirs["model"], rtol=0, atol=0)
 
 
-def test_sigterm_saves_exits_cleanly_and_resumes_bit_for_bit(runs):
-    term, resumed = runs["term"], runs["term_resumed"]
-    _assert_clean(term, "term")
-    assert "stopping on signal 15" in term.stdout and sorted(term.losses()) == [1, 2], term.stdout
-    assert json.loads(term.stdout.split("summary: ")[1])["checkpoint"].endswith("step_00000002")
-    _assert_clean(resumed, "term_resumed")
-    assert resumed.losses() == {s: runs["one"].losses()[s] for s in (3, 4)}
-    assert resumed.final_eval() == runs["one"].final_eval()
+def test_dropout_stopped_by_sigterm_saves_within_a_check_and_resumes_bit_for_bit(runs):
+    """Rank 1 gets SIGTERM after step 1; the ranks agree every 2 steps (no collective in between), so both stop
+    after step 2, save it and exit 0. With dropout in the model (a user's edit), the resumed run matches the
+    uninterrupted one bit for bit: each rank's generator was saved with the checkpoint and restored."""
+    term, resumed, uninterrupted = runs["term"], runs["term_resumed"], runs["dropout"]
+    for name in ("term", "term_resumed", "dropout"):
+        _assert_clean(runs[name], name)
+    assert "stopping on signal" in term.stdout and sorted(term.losses()) == [1, 2], term.stdout
+    summary = json.loads(term.stdout.split("summary: ")[1].splitlines()[0])
+    assert summary["stopped"] and summary["checkpoint"].endswith("step_00000002"), summary
+    assert uninterrupted.losses()[2] != runs["fsdp"].losses()[2], "dropout changes what is computed"
+    assert "resumed from ck_term/step_00000002" in resumed.stdout, resumed.stdout
+    assert [m["step"] for m in resumed.metrics if "loss" in m] == [1, 2, 3, 4]
+    assert resumed.losses() == uninterrupted.losses()
+    assert resumed.final_eval() == uninterrupted.final_eval()
+
+
+def test_tensorboard_profiler_and_memory_snapshot_flags(runs, workspace):
+    """Through a stand-in TensorBoard writer (the package is not installed here): rank 0's log line as scalars;
+    each rank's profiler trace of steps 2 and 3; on CPU ranks the memory snapshot says in one line that it has
+    nothing to record. Without the package --tensorboard is one line and the run goes on."""
+    root, _ = workspace
+    _assert_clean(runs["ddp"], "ddp")
+    scalars = [json.loads(line) for line in (root / "tb" / "scalars.jsonl").read_text().splitlines()]
+    assert {(s["name"], s["step"]) for s in scalars} >= {("loss", 1), ("loss", 4), ("tokens_per_s", 2),
+                                                         ("eval_loss", 4)}
+    assert [s["value"] for s in scalars if s["name"] == "loss"] == [runs["ddp"].losses()[s] for s in (1, 2, 4)]
+    for rank in (0, 1):
+        trace = json.loads((root / "prof" / f"trace_rank{rank}_steps2-3.json").read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert {"train step 2", "train step 3"} <= names and any(n.startswith("aten::") for n in names), names
+    assert runs["ddp"].stdout.count("--memory-snapshot: it records the CUDA allocator") == 1
+    assert not list(root.glob("snap*"))
+    _assert_clean(runs["init_from"], "init_from")
+    assert runs["init_from"].stdout.count("--tensorboard: the tensorboard package is not installed") == 1
 
 
 def test_a_checkpoint_of_fsdp_loads_into_a_pipeline_and_trains_on_alike(runs):
@@ -319,7 +327,8 @@ def test_a_checkpoint_of_fsdp_loads_into_a_pipeline_and_trains_on_alike(runs):
     ("bad_kv_heads", "n_kv_heads 3 must divide n_heads 4"),
     ("bad_tp_kv_heads", "tp 2 must divide the 4 query and 1 key/value heads"),
     ("bad_vocab", f"the token file's vocabulary ({TOKENIZER_VOCAB}) exceeds the model's (256)"),
-    ("bad_hf", "not_llama is not a Llama this recipe can load: model_type 'gpt2' is not 'llama'")])
+    ("bad_hf", "not_llama is not a Llama this recipe can load: model_type 'gpt2' is not 'llama'"),
+    ("bad_keep", "--keep must be at least 1, got 0")])
 def test_a_bad_flag_is_one_line_and_status_2(runs, name, message):
     result = runs[name]
     assert result.returncode == 2, result.output
@@ -352,7 +361,7 @@ def test_an_hf_export_opens_in_transformers_and_gives_the_recipes_logits(runs, w
     sys.path.insert(0, str(root))
     try:
         import generate
-        ours, _, _ = generate.load(root / "ck_fsdp")
+        ours, _, _ = generate.load(root / "st" / "ck_fsdp")
     finally:
         sys.path.remove(str(root))
     theirs = LlamaForCausalLM.from_pretrained(root / "hf_llama").eval()

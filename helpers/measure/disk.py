@@ -8,8 +8,8 @@ off, or a cache answering). Fixed costs (planning, metadata, the collectives) do
 measured must be large (hundreds of MB on a GPU) for the ratio to say anything about the writing.
 
 The worker that times the saves is notebook 06's (`save_costs` in its cells, plain PyTorch, on the training
-recipe's state); this module only summarises what its ranks return, lays out a checkpoint folder, and runs the
-crash demos' launches.
+recipe's state); this module only summarises what its ranks return and lays out a checkpoint folder (it launches
+nothing: the notebook launches its workers itself).
 """
 from __future__ import annotations
 
@@ -150,25 +150,3 @@ def whole_checkpoint(folder: str | os.PathLike, file: str | os.PathLike) -> dict
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save(folder, file)
     return torch.load(file)
-
-
-def crash_then_load(save, load, root: Path, newest, *args, world_size: int, timeout: float, env=None) -> dict:
-    """Launch `save(str(root), *args)` on `world_size` ranks, a save meant to die part-way, then `load` on one
-    process on `newest(root)` (the folder a resuming run would pick). Returns what `load` returned, or
-    `{"error": message}` when the checkpoint did not even load, with the two states the save kept aside where no
-    crash can take them (`root/state_A.pt`, `root/state_B.pt`) under "A" and "B".
-
-    Why here: notebook 06 runs this twice (saving in place, saving with the commit protocol); the launches, the
-    expected failures and the bookkeeping are plumbing, the crashing writer and the verdict on what loaded stay in
-    the notebook."""
-    from helpers.launcher import WorkerError, launch
-    root.mkdir()
-    try:
-        launch(save, str(root), *args, world_size=world_size, timeout=timeout, env=env, quiet=True)
-    except WorkerError as failure:
-        print(f"{root.name}: the save of B crashed ({failure.message}, rank {failure.rank})")
-    try:  # the newest checkpoint, loaded (and resharded) by one process
-        newest_state = launch(load, str(newest(root)), world_size=1, timeout=timeout, quiet=True)[0]
-    except WorkerError as failure:  # a torn checkpoint may also fail to load at all
-        newest_state = {"error": failure.message}
-    return {"A": torch.load(root / "state_A.pt"), "B": torch.load(root / "state_B.pt"), **newest_state}

@@ -2,9 +2,10 @@
 on rank 0, one per step, `{"step", "loss", "lr", "grad_norm"}` (the loss is the mean over every data-parallel rank),
 and `{"step", "eval_loss"}` after an evaluation.
 
-Why a module: the log outlives a killed process, so it is the record of every attempt of a run that failed and
-resumed; notebook 06 compares each attempt with an uninterrupted run. Splitting the lines into attempts is
-bookkeeping, not the recipe.
+Why a module: notebook 06 reads several runs' logs against an uninterrupted one. The recipe keeps each step once (a
+resumed run drops the lines an attempt that died wrote past its checkpoint), so its log is one attempt; a log that
+repeats steps (an older recipe's, or a script's that only appends) is split into attempts where the steps go back.
+Reading the lines back is bookkeeping, not the recipe.
 """
 from __future__ import annotations
 

@@ -6,20 +6,23 @@
 
 What a checkpoint holds: the model and optimizer (through get_state_dict: every rank writes its own pieces, named
 by the model's parameter names), the learning-rate schedule, the data loader's position, and the step. Nothing in
-it depends on the rank, the device or the layout, so it loads at another layout (DCP reshards on load). There is
-no random-number state in it: nothing in training draws random numbers except through generators seeded from
-(seed, step) or (seed, epoch), which a resumed run recomputes.
+its DCP state depends on the rank, the device or the layout, so it loads at another layout (DCP reshards on load).
+Each rank's random-number generators travel beside it, one small file per rank (`rng/rank00001.pt`): restored when
+the run resumes at the world size that wrote them (code with dropout then resumes exactly), ignored at another.
 
-The commit protocol: every rank saves into a staging directory `.step_N.partial`; once the save is complete
-(DCP's `.metadata`, written last by the coordinator, after every rank's data), rank 0 renames it to `step_N`
-(atomic within one file system), fsyncs the parent, and deletes all but the newest `keep`. A reader only ever
-loads a `step_N` with its `.metadata`: a crash during a save leaves a staging directory, never a half checkpoint
-under a committed name. Notebook 09's cluster_ddp.py commits with the same functions.
+The commit protocol: every rank saves into a staging directory named by step and job (`.step_N.JOB.partial`, JOB
+torchrun's run id); once the save is complete (DCP's `.metadata`, written last, after every rank's data), rank 0
+fsyncs it, renames it to `step_N` (atomic within one file system), fsyncs the parent, and only then deletes all but
+the newest `keep`. A reader only ever loads a `step_N` with its `.metadata`, and a committed checkpoint is never
+replaced or deleted before a newer one is committed. At start-up rank 0 settles what an earlier attempt of its own
+job left (commits a complete save, deletes an incomplete one) and leaves other jobs' saves alone; then it picks the
+checkpoint to resume and every rank loads that one. Notebook 09's cluster_ddp.py commits with the same functions.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -57,9 +60,16 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
-def staging_dir(root: str | Path, step: int) -> Path:
-    """Where the save of `step` is written: a dot-directory that `latest` never picks."""
-    return Path(root) / f".step_{step:08d}.partial"
+def job_id() -> str:
+    """The job that saves: torchrun's run id (its --rdzv-id; --standalone draws one per launch), the same in every
+    restart of that torchrun; else SLURM's job id; else "local". Safe as a file name."""
+    raw = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "local"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:64]
+
+
+def staging_dir(root: str | Path, step: int, job: str | None = None) -> Path:
+    """Where `job` writes the save of `step`: a dot-directory that `latest` never picks."""
+    return Path(root) / f".step_{step:08d}.{job or job_id()}.partial"
 
 
 def latest(root: str | Path) -> Path | None:
@@ -69,7 +79,8 @@ def latest(root: str | Path) -> Path | None:
     return max((p for p in Path(root).glob("step_" + "[0-9]" * 8) if (p / ".metadata").exists()), default=None)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Make a file's data, or a directory's entries (a rename, a new file), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -77,28 +88,72 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit(root: str | Path, step: int, keep: int = 2, config: dict | None = None) -> Path:
+def commit(root: str | Path, step: int, keep: int = 2, config: dict | None = None, job: str | None = None) -> Path:
     """Publish a finished save (rank 0 only, after the save returned on it): write the run's configuration (if
-    any) beside the data, rename the staging directory to step_N, fsync the parent so the rename survives a power
-    cut, delete all but the newest `keep`."""
-    staged, final = staging_dir(root, step), step_dir(root, step)
+    any) beside the data, fsync the staged files and directory, rename it to step_N, fsync the parent so the
+    rename survives a power cut, and only then delete all but the newest `keep`. A step committed already stays:
+    the same step saved again (a second job, a rerun) is dropped, never swapped in by a delete and a rename that a
+    crash could separate."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the checkpoint just committed), got {keep}")
+    staged, final = staging_dir(root, step, job), step_dir(root, step)
     if not (staged / ".metadata").exists():
         raise FileNotFoundError(f"the save of step {step} did not finish: {staged} has no .metadata")
+    if (final / ".metadata").exists():
+        shutil.rmtree(staged)
+        return final
     if config is not None:
         (staged / CONFIG_FILE).write_text(json.dumps(config, indent=1))
-    if final.exists():            # the same step saved again (a rerun of a finished run): the new one wins
-        shutil.rmtree(final)
+        _fsync(staged / CONFIG_FILE)
+    _fsync(staged / ".metadata")
+    _fsync(staged)
     os.rename(staged, final)
-    _fsync_dir(Path(root))
-    for old in sorted(Path(root).glob("step_" + "[0-9]" * 8))[:-keep]:
+    _fsync(Path(root))
+    for old in sorted(p for p in Path(root).glob("step_" + "[0-9]" * 8) if p.is_dir())[:-keep]:
         shutil.rmtree(old)
     return final
 
 
-def clear_staging(root: str | Path) -> None:
-    """Delete the staging directories of saves that never finished (one rank, before any rank saves again)."""
-    for debris in Path(root).glob(".step_*.partial"):
-        shutil.rmtree(debris)
+def settle_staging(root: str | Path, keep: int = 2, config: dict | None = None, job: str | None = None) -> list:
+    """What earlier attempts of this job left in `root` (rank 0, at start-up, before any rank picks a checkpoint or
+    saves): a complete save not yet committed (rank 0 died between the save and the rename) is committed, an
+    incomplete one deleted. Another job's staging directories are left alone: that job may be saving now. Returns
+    them, for the log."""
+    job = job or job_id()
+    others = []
+    for staged in sorted(Path(root).glob(".step_*.partial")):
+        match = re.fullmatch(r"\.step_(\d{8})\.(.+)\.partial", staged.name)
+        if match is None or match[2] != job:
+            others.append(staged)
+        elif (staged / ".metadata").exists():
+            commit(root, int(match[1]), keep, config, job)
+        else:
+            shutil.rmtree(staged)
+    return others
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint the ranks cannot all load: every rank raises it, with the same one-line message."""
+
+
+def agreed_latest(root: str | Path) -> Path | None:
+    """The checkpoint to resume from, the same on every rank (collective): rank 0 picks the newest committed one it
+    sees and every rank checks that it sees that one too. Each rank picking alone, ranks whose views of the
+    directory differ (a network file system's caches, disks that are not shared) would load different steps, or
+    some none, then diverge or hang. CheckpointError, on every rank, when some rank cannot see rank 0's pick."""
+    pick = [latest(root) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(pick, src=0)
+    if pick[0] is None:
+        return None
+    path = Path(root) / pick[0].name
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (path / ".metadata").exists())
+    blind = [rank for rank, ok in enumerate(seen) if not ok]
+    if blind:
+        raise CheckpointError(f"rank 0 resumes from {path}, which rank{'s' * (len(blind) > 1)} "
+                              f"{', '.join(map(str, blind))} cannot see: --ckpt-dir must be one storage every rank "
+                              "reads alike")
+    return path
 
 
 def make_stager(device: torch.device):
@@ -110,26 +165,69 @@ def make_stager(device: torch.device):
     return BlockingAsyncStager(cache_staged_state_dict=True) if torch.device(device).type == "cuda" else None
 
 
+RNG_DIR = "rng"
+
+
+def save_rng(folder: str | Path) -> None:
+    """This rank's random-number generators (the CPU's, and the current GPU's) in a file of its own in the
+    checkpoint's folder, fsynced, written before the rank's DCP save (so before `.metadata`). In the DCP state
+    they could not go: one key would bring back rank 0's on every rank (section 2), a key per rank would fail to
+    load at another world size."""
+    state = {"world_size": dist.get_world_size(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    folder = Path(folder) / RNG_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank{dist.get_rank():05d}.pt"
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(folder)
+
+
+def load_rng(folder: str | Path) -> bool:
+    """Restore this rank's generators from a checkpoint written at this world size; False, and nothing changed,
+    when it was written at another (rank r's state there belongs to no rank here: the caller reseeds) or holds
+    none (a checkpoint of an earlier version)."""
+    path = Path(folder) / RNG_DIR / f"rank{dist.get_rank():05d}.pt"
+    if not path.exists():
+        return False
+    state = torch.load(path, weights_only=True)
+    if state["world_size"] != dist.get_world_size():
+        return False
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    return True
+
+
 class Checkpointer:
     """Saves (sync or async) and loads a TrainState under `root` with the commit protocol above."""
 
     def __init__(self, root: str | Path, keep: int = 2, async_save: bool = False, config: dict | None = None):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
         self.root, self.keep, self.async_save, self.config = Path(root), keep, async_save, config or {}
+        self.job = job_id()           # the same on every rank: torchrun's environment
         self.pending = None           # (future, step) of an async save not yet committed
-        self.saved_step = None        # the step of the last save (committed, or pending)
+        self.saved_step = None        # the step of the last save (committed, or pending) or load
         self.stager = None            # the async saves' stager, made at the first one (make_stager)
-        # async saves talk on a gloo group of their own, so they never queue behind the training's collectives
-        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.rng_restored, self.others = False, []    # the last load restored the generators; others' saves
+        self.group = dist.new_group(backend="gloo") if async_save else None   # never behind training's collectives
         if dist.get_rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            clear_staging(self.root)
-        dist.barrier()                # the debris is gone before any rank stages a save
+            _fsync(self.root.parent)
+            self.others = settle_staging(self.root, keep, self.config, self.job)
+        dist.barrier()                # settled before any rank picks a checkpoint or stages a save
 
     def load_latest(self, state: TrainState) -> Path | None:
-        """Load the newest committed checkpoint into `state`; None (and `state` untouched) when there is none."""
-        path = latest(self.root)
+        """Load rank 0's pick (`agreed_latest`) into `state`, and this rank's generators at the world size that
+        saved; None (and `state` untouched) when there is none."""
+        path = agreed_latest(self.root)
         if path is not None:
             dcp.load({"train": state}, checkpoint_id=path)
+            self.saved_step, self.rng_restored = int(path.name[5:]), load_rng(path)
         return path
 
     def save(self, state: TrainState) -> None:
@@ -138,22 +236,21 @@ class Checkpointer:
         next save or `wait()`)."""
         self.wait()
         self.saved_step = state.step
-        staged = staging_dir(self.root, state.step)
+        staged = staging_dir(self.root, state.step, self.job)
+        save_rng(staged)
         if self.async_save:
             if self.stager is None:
                 self.stager = make_stager(next(state.model.parameters()).device)
-            future = dcp.async_save({"train": state}, checkpoint_id=staged, process_group=self.group,
-                                    async_stager=self.stager)
-            self.pending = (future, state.step)
+            self.pending = (dcp.async_save({"train": state}, checkpoint_id=staged, process_group=self.group,
+                                           async_stager=self.stager), state.step)
         else:
             dcp.save({"train": state}, checkpoint_id=staged)
             if dist.get_rank() == 0:
-                commit(self.root, state.step, self.keep, self.config)
+                commit(self.root, state.step, self.keep, self.config, self.job)
 
     def poll(self) -> None:
-        """Commit an async save as soon as it is written (call once a step): a crash between two saves then loses
-        only the steps since the last one. Not a collective: rank 0's future is done only when DCP has written
-        `.metadata`, after every rank's writes; another rank just drops its finished future."""
+        """Commit an async save as soon as it is written (call once a step), so a crash loses only the steps since.
+        Not a collective: rank 0's future is done only once DCP has written `.metadata`, after every rank's."""
         if self.pending is not None and self.pending[0].done():
             self.wait()
 
@@ -161,11 +258,10 @@ class Checkpointer:
         """Finish and commit an async save in flight (call before exiting): the future returns once the whole save
         is written, DCP's `.metadata` included."""
         if self.pending is not None:
-            future, step = self.pending
-            self.pending = None
+            (future, step), self.pending = self.pending, None
             future.result()
             if dist.get_rank() == 0:
-                commit(self.root, step, self.keep, self.config)
+                commit(self.root, step, self.keep, self.config, self.job)
 
 
 def full_model_state(checkpoint: str | Path) -> tuple:

@@ -213,7 +213,9 @@ class GlobalBatchSampler:
 def train_loader(paths: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, global_batch: int,
                  seed: int = 0):
     """torchdata's StatefulDataLoader over the training windows of the token files `paths`: `next(iter(loader))`
-    is this rank's micro-batch, and `loader.state_dict()` its exact position (kept in the checkpoint)."""
+    is this rank's micro-batch, and `loader.state_dict()` its exact position (kept in the checkpoint). Its own
+    generator: each `iter(loader)` draws a seed, which would otherwise come from the global generator and shift
+    the draws of dropout after a resume."""
     import warnings
 
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -222,7 +224,8 @@ def train_loader(paths: list, seq_len: int, local_batch: int, dp_rank: int, dp_s
     sampler = GlobalBatchSampler(len(windows), local_batch, dp_rank, dp_size, global_batch, seed)
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which newer torch deprecates
         warnings.filterwarnings("ignore", message=".*set_vital")
-        return StatefulDataLoader(windows, batch_sampler=sampler, num_workers=0)
+        return StatefulDataLoader(windows, batch_sampler=sampler, num_workers=0,
+                                  generator=torch.Generator().manual_seed(seed))
 
 
 def eval_batches(paths: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, max_windows: int):

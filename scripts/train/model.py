@@ -12,9 +12,9 @@ model holds no parallel code. Three choices make that possible:
 - The attention derives its head counts from the local weights (`view(b, t, -1, head_dim)`): under tensor
   parallelism a rank holds whole query and key/value heads, and the same forward runs on its share.
 - `init_weights(seed)` makes every parameter from nothing, after `to_empty` from the meta device and on DTensors
-  after `fully_shard`/`parallelize_module`, and gives the same numbers at every layout: each parameter is drawn in
-  full from a generator seeded by (seed, its name), and each rank keeps its own piece. A rank so holds, for a moment,
-  one whole parameter (the largest: vocab x dim or dim x hidden), never the whole model.
+  after `fully_shard`/`parallelize_module`, and gives the same numbers at every layout: each block of 64 rows of a
+  parameter is drawn from a generator seeded by (seed, its name, the block), and each rank draws only the blocks
+  its piece lies in. A sharded model costs each rank its share to initialise, not the whole model.
 Its shape is config.py's `GPTConfig`. Its state dict converts to and from Hugging Face's `LlamaForCausalLM` (`to_hf`,
 `from_hf`): the same weights give the same logits (tests/test_llama_reference.py holds it against `transformers`).
 """
@@ -164,17 +164,16 @@ class GPT(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Every parameter from nothing, the same numbers at every layout: normal(0, 0.02) for the embedding and
         the Linear weights, 0.02 / sqrt(2 * n_layers) for the two that write into the residual stream (`wo`, `w2`:
-        GPT-2's scaling), ones for the RMSNorm weights; then the rotary tables. Parameters may be DTensors."""
+        GPT-2's scaling), ones for the RMSNorm weights; then the rotary tables. Parameters may be DTensors: each
+        rank draws only the rows it holds (`fill_normal`)."""
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
             name = name.replace("_orig_mod.", "")      # a torch.compile'd block's wrapper (apply_compile)
             if name.endswith("norm.weight"):
-                full = torch.ones(param.shape)
+                (param.to_local() if hasattr(param, "to_local") else param).fill_(1.0)
             else:
                 std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                full = torch.empty(param.shape).normal_(0.0, std, generator=generator)
-            copy_full_into(param, full)
+                fill_normal(param, std, seed * 1_000_003 + zlib.crc32(name.encode()))
         self.init_rope()
 
     @torch.no_grad()
@@ -183,6 +182,33 @@ class GPT(nn.Module):
         cos, sin = rope_tables(self.cfg)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+
+INIT_ROWS = 64     # rows drawn from one generator: the unit a rank draws whole, whatever piece of them it holds
+
+
+def fill_normal(param: torch.Tensor, std: float, seed: int) -> None:
+    """normal(0, std) into a parameter, the same numbers whatever piece of it this rank holds: the rows are drawn
+    in blocks of INIT_ROWS, block b from a generator seeded by (seed, b), so a rank draws only the blocks its rows
+    fall in, at full width, and keeps its piece; a sharded parameter costs a rank its share, not the whole tensor
+    (scripts/train/README.md: the cost measured). A DTensor names its piece by offsets and sizes, as it does for
+    DCP (`__create_chunk_list__`)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        chunk = param.__create_chunk_list__()[0]
+        offsets, sizes, local = tuple(chunk.offsets), tuple(chunk.sizes), param.to_local()
+    else:
+        offsets, sizes, local = (0,) * param.dim(), tuple(param.shape), param
+    if local.numel() == 0:
+        return
+    start, stop = offsets[0], offsets[0] + sizes[0]
+    first, last = start // INIT_ROWS * INIT_ROWS, min(param.shape[0], -(-stop // INIT_ROWS) * INIT_ROWS)
+    rows = torch.empty(last - first, *param.shape[1:])
+    for b in range(first, last, INIT_ROWS):              # each block from its own generator, in place
+        block = torch.Generator().manual_seed(seed * 1_000_003 + b // INIT_ROWS)
+        rows[b - first:b - first + INIT_ROWS].normal_(0.0, std, generator=block)
+    local.copy_(rows[(slice(start - first, stop - first), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:])))])
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

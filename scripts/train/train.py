@@ -13,6 +13,7 @@
     torchrun --standalone --nproc-per-node=8 train.py --init-from Llama-3.2-1B --data tokens.bin   # fine-tune
     python train.py export --ckpt-dir ckpt --format hf --out my-llama       # a Hugging Face folder
     python generate.py --model my-llama --prompt "Once upon a time"         # look at what was trained
+    python selftest.py            # after every edit: the layouts agree, a killed run resumes exactly (CPU, gloo)
 
 Without --data it trains on CPython's language reference (shipped with Python) as bytes, prepared on first use.
 Defaults fit the device: the preset 'small' (a Llama of dim 768, 12 layers, sequence length 1024) in bf16 with
@@ -29,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import resource
 import signal
 import sys
@@ -55,6 +57,7 @@ GPU_DEFAULTS = {"model": "small", "batch_per_dp_rank": 16, "steps": 1000, "dtype
 CPU_DEFAULTS = {"model": "tiny", "batch_per_dp_rank": 8, "steps": 150, "dtype": "fp32", "compile": False, "lr": 3e-3}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SHAPE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "tie_embeddings")   # a preset's fields a flag changes
+SNAPSHOT_STEPS = 3         # --memory-snapshot records through this many steps: where the peak is reached
 VOCAB_MULTIPLE = 64        # a vocabulary from the token file is rounded up to this (any --tp up to 64 divides it)
 
 
@@ -117,16 +120,26 @@ def build_parser() -> Parser:
     g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: at the end only)")
     g.add_argument("--eval-windows", type=int, default=64, help="held-out sequences per evaluation")
     g.add_argument("--log-every", type=int, default=10)
-    g.add_argument("--metrics", help="append every step's loss, lr and gradient norm (JSON lines) to this file")
+    g.add_argument("--metrics", help="every step's loss, lr and gradient norm (JSON lines) in this file, each step "
+                   "once: a run drops the lines past the step it starts from")
+    g.add_argument("--tensorboard", metavar="DIR", help="the log line's figures as TensorBoard scalars (needs the "
+                   "tensorboard package)")
+    g.add_argument("--profile-steps", metavar="A:B", help="a torch.profiler trace of steps A to B (Chrome's JSON, "
+                   "one file per rank, in --profile-dir)")
+    g.add_argument("--profile-dir", default="profile")
+    g.add_argument("--memory-snapshot", metavar="FILE", help="CUDA: the allocator's history from the start to step "
+                   f"{SNAPSHOT_STEPS}, for pytorch.org/memory_viz (FILE_rank<r>.pickle)")
     g.add_argument("--ckpt-dir", help="DCP checkpoints here; a run resumes from the newest committed one")
     g.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
-    g.add_argument("--keep", type=int, default=2, help="committed checkpoints kept")
+    g.add_argument("--keep", type=int, default=2, help="committed checkpoints kept (at least 1)")
     g.add_argument("--async-save", action="store_true", help="dcp.async_save: write while training goes on")
+    g.add_argument("--stop-check-every", type=int, default=10, help="steps between the ranks' agreement on a "
+                   "SIGTERM (one small all-reduce): a stopped job saves within this many steps")
     g.add_argument("--export", help="at the end, write the whole model to this file for inference (torch.save; "
                    "with --pp it needs --ckpt-dir and is made from the last checkpoint)")
-    g.add_argument("--crash-at", type=int, help="plant a failure: after this step the last rank kills itself "
-                   "(--crash-signal), on torchrun's first attempt only")
-    g.add_argument("--crash-signal", choices=["KILL", "TERM"], default="KILL")
+    # test hooks, not in --help: after --crash-at the last rank sends itself --crash-signal (first attempt only)
+    g.add_argument("--crash-at", type=int, help=argparse.SUPPRESS)
+    g.add_argument("--crash-signal", choices=["KILL", "TERM"], default="KILL", help=argparse.SUPPRESS)
     return p
 
 
@@ -154,7 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    for key in ("tp", "pp", "dp_replicate", "accum", "steps", "log_every", *SHAPE_FLAGS[:4], "seq_len", "vocab_size"):
+    for key in ("tp", "pp", "dp_replicate", "accum", "steps", "log_every", "keep", "stop_check_every",
+                *SHAPE_FLAGS[:4], "seq_len", "vocab_size"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
     missing = [f for f in args.data or [] if not Path(f).is_file()]
@@ -180,6 +194,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--batch {args.batch} must be a multiple of data-parallel ranks {dp} x --accum {args.accum}")
     if args.pp > 1 and args.pp_schedule == "1f1b" and args.accum < args.pp:
         parser.error(f"the 1f1b schedule needs --accum (micro-batches) >= --pp {args.pp}, got {args.accum}")
+    try:
+        args.profile_steps = profile_window(args.profile_steps)
+    except ValueError as e:
+        parser.error(str(e))
     if args.export and args.pp > 1 and not args.ckpt_dir:
         parser.error("--export with --pp needs --ckpt-dir: no rank holds the whole model, the checkpoint does")
     return args
@@ -214,6 +232,19 @@ def model_config(args) -> GPTConfig:
     return cfg
 
 
+def profile_window(text) -> tuple[int, int] | None:
+    """--profile-steps 'A:B' -> (A, B): the steps profiled, B included. ValueError, one line."""
+    if text is None or isinstance(text, (list, tuple)):         # None, or a window already parsed
+        return tuple(text) if text else None
+    try:
+        first, last = (int(v) for v in str(text).split(":"))
+    except ValueError:
+        raise ValueError(f"--profile-steps {text}: expected A:B, two step numbers") from None
+    if not 1 <= first <= last:
+        raise ValueError(f"--profile-steps {text}: expected 1 <= A <= B")
+    return first, last
+
+
 # ---------------------------------------------------------------------------------------------------------- training
 def default_data() -> list[Path]:
     """CPython's language reference as byte tokens, prepared once per user (every rank may do it: the file is
@@ -245,6 +276,7 @@ class Built:
         if args.pp > 1:
             self.stage = pipeline_stage(self.train_model, self.mesh["pp"], device)
             self.schedule = pipeline_schedule(self.stage, args.pp_schedule, args.accum, cross_entropy)
+        self.eval_schedules = {}       # evaluation's, by micro-batch count (Trainer._pipeline_eval)
         # autocast where FSDP2's policy does not already compute in bf16
         self.autocast = self.dtype != torch.float32 and not self.fsdp
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
@@ -351,8 +383,7 @@ class Stepper(Built):
     """`step()`: one optimizer step, collective (every rank calls it)."""
 
     def _context(self):
-        """What the forward and backward run inside: loss_parallel with TP (the logits are split over the
-        vocabulary), autocast where asked and FSDP2 does not already cast."""
+        """loss_parallel with TP (the logits split over the vocabulary), autocast where FSDP2 does not cast."""
         stack = contextlib.ExitStack()
         if self.args.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -363,15 +394,17 @@ class Stepper(Built):
 
     def _accumulate(self) -> torch.Tensor:
         """--accum micro-batches, forward and backward; DDP all-reduces the gradients after the last one only
-        (no_sync before). Returns this rank's mean loss."""
-        loss = torch.zeros((), device=self.device)
-        for m in range(self.args.accum):
+        (no_sync before). Returns this rank's mean loss (one micro-batch: its loss, with no division or sum)."""
+        loss, accum = None, self.args.accum
+        for m in range(accum):
             x, y = self._next()
-            sync = m == self.args.accum - 1 or not self.ddp     # DDP: one gradient all-reduce per step
+            sync = m == accum - 1 or not self.ddp     # DDP: one gradient all-reduce per step
             with self._context(), (contextlib.nullcontext() if sync else self.train_model.no_sync()):
-                micro_loss = cross_entropy(self.train_model(x), y) / self.args.accum
+                micro_loss = cross_entropy(self.train_model(x), y)
+                micro_loss = micro_loss / accum if accum > 1 else micro_loss
                 micro_loss.backward()
-            loss += plain(micro_loss).detach()
+            part = plain(micro_loss).detach()
+            loss = part if loss is None else loss + part
         return loss
 
     def _through_stages(self, schedule_call, x, y) -> list:
@@ -415,6 +448,8 @@ class Trainer(Stepper):
     def global_mean(self, value: torch.Tensor) -> float:
         """The mean over data-parallel replicas of a value every (tp, last-stage) rank holds alike: one all-reduce
         over the whole world, each replica counted once (tp peers and other stages add zero)."""
+        if self.world == 1:
+            return value.detach().float().item()
         counted = self.last_stage and self.tp_rank == 0
         total = (value.detach().float() if counted else torch.zeros((), device=self.device)) / self.dp
         total = total.reshape(1).clone()
@@ -443,29 +478,66 @@ class Trainer(Stepper):
         return self.global_mean(total / count)
 
     def _pipeline_eval(self, x, y) -> torch.Tensor:
-        """One held-out batch through the pipeline stages, forward only where the schedule can (eval())."""
-        n = self.args.accum
-        if len(x) % n:
-            n = 1
-        schedule = pipeline_schedule(self.stage, "gpipe", n, cross_entropy)
+        """One held-out batch through the pipeline stages, forward only where the schedule can (eval()); one
+        schedule per micro-batch count for the whole run, built at its first use."""
+        n = self.args.accum if len(x) % self.args.accum == 0 else 1
+        if n not in self.eval_schedules:
+            self.eval_schedules[n] = pipeline_schedule(self.stage, "gpipe", n, cross_entropy)
+        schedule = self.eval_schedules[n]
         losses = self._through_stages(schedule.eval if hasattr(schedule, "eval") else schedule.step, x, y)
         self.optimizer.zero_grad(set_to_none=True)
         return torch.stack([plain(l) for l in losses]).mean() if losses else torch.zeros((), device=self.device)
 
 
 # ---------------------------------------------------------------------------------------------------- measurements
-def peak_memory_bytes(device: torch.device) -> int:
-    """The most memory this rank held: CUDA's allocator peak on a GPU, the process's maximum resident set on a CPU
-    (ru_maxrss: KiB on Linux, bytes on macOS)."""
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a window of peak memory: CUDA's allocator peaks; on a CPU the process's peak resident set (Linux:
+    writing 5 to /proc/self/clear_refs resets VmHWM). False where it cannot be reset (the peak then runs from the
+    process's start)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory(device: torch.device) -> tuple[int, int | None]:
+    """(peak, peak reserved) bytes since `reset_peak_memory`. CUDA: the caching allocator's tensors, and what it
+    held from the driver (reserved: what an out-of-memory error counts). CPU: the process's peak resident set,
+    everything it holds (tensors, Python, libraries), nothing reserved apart."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    try:
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) * 1024, None
+    except (OSError, TypeError):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return (rss if sys.platform == "darwin" else rss * 1024), None
 
 
 def log(rank: int, message: str) -> None:
     if rank == 0:
         print(message, flush=True)
+
+
+def open_metrics(path: str | Path, start_step: int):
+    """The --metrics file, opened to append (rank 0), holding each step once: the lines past `start_step` (what an
+    attempt that died wrote after the checkpoint this run resumes from, or a run's own final evaluation when it is
+    run again) are dropped first, the rest rewritten by a rename."""
+    path, kept = Path(path), []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:                      # a line cut short by a kill
+            continue
+        if record.get("step", 0) < start_step or (record.get("step") == start_step and not record.get("final")):
+            kept.append(line + "\n")
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)
+    return open(path, "a", buffering=1)
 
 
 def write_metrics(metrics, **values) -> None:
@@ -474,68 +546,110 @@ def write_metrics(metrics, **values) -> None:
         print(json.dumps(values), file=metrics)
 
 
-class Meter:
-    """The log line's figures over the steps since the last line: tokens/s, MFU and the largest peak memory of any
-    rank. MFU is against the datasheet's dense peak of every rank's accelerator in the training dtype (hardware.py:
-    the convention published figures use); the matmul rate the ranks measured at the start (their sum) is the
-    second figure, and on a CPU, which has no datasheet row, the only one."""
+class Window:
+    """The steps since the last log line: their time less what was set aside (evaluation and checkpoints, shown
+    apart, so that tokens/s and MFU are the training's), and this rank's peak memory over them."""
 
-    def __init__(self, args, cfg: GPTConfig, device: torch.device, dtype: torch.dtype):
-        measured = torch.tensor([hardware.measured_matmul_peak(device, dtype)], dtype=torch.float64)
-        dist.all_reduce(measured)                               # the world's: the sum of the ranks'
-        self.measured_peak = measured.item()
-        sheet = hardware.datasheet_peak(torch.cuda.get_device_name(device), hardware.matmul_dtype_name(dtype)) \
-            if device.type == "cuda" else None
-        if sheet:
-            self.peak = sheet[0] * dist.get_world_size()
-            self.peak_source = f"{hardware.matmul_dtype_name(dtype)} datasheet peak x {dist.get_world_size()} ({sheet[1]})"
-        else:
-            self.peak = self.measured_peak
-            self.peak_source = f"the matmul rate measured here (no datasheet row for {device.type} devices)"
-        self.args, self.device = args, device
-        self.flops_per_token = cfg.flops_per_token(args.seq_len)
-        self.tokens_per_step = args.batch * args.seq_len
-        self.tokens_per_s = self.mfu = self.mfu_measured = self.memory_gib = 0.0
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.totals = {"eval": 0.0, "checkpoint": 0.0}          # seconds set aside over the whole run
         self.restart()
 
     def restart(self) -> float:
         """A new window of steps; returns its start (time.perf_counter)."""
+        self.aside = dict.fromkeys(self.totals, 0.0)
+        self.windowed = reset_peak_memory(self.device)          # False: the peak runs from the start
         self.start, self.steps = time.perf_counter(), 0
         return self.start
 
-    def report(self, rank: int, step: int, loss: float, lr: float, norm: float) -> None:
-        """Rank 0 prints the line for `step`; collective (the peak memory is the world's largest)."""
+    @contextlib.contextmanager
+    def set_aside(self, what: str):
+        """The time spent inside is not training time: the log line shows it apart."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self.aside[what] += spent
+            self.totals[what] += spent
+
+    def training_seconds(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - self.start
+        return time.perf_counter() - self.start - sum(self.aside.values())
+
+
+class Meter(Window):
+    """The log line's figures over a window: tokens/s, MFU, the largest peak memory of any rank. MFU is against
+    the datasheet's dense peak of every rank's accelerator in the training dtype (hardware.py: the convention
+    published figures use); the matmul rate the ranks measured at the start (their sum) is the second figure, and
+    on a CPU, which has no datasheet row, the only one. One process takes part in no collective."""
+
+    def __init__(self, args, cfg: GPTConfig, device: torch.device, dtype: torch.dtype):
+        self.world = dist.get_world_size()
+        measured = torch.tensor([hardware.measured_matmul_peak(device, dtype)], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(measured)                           # the world's: the sum of the ranks'
+        self.measured_peak = measured.item()
+        sheet = hardware.datasheet_peak(torch.cuda.get_device_name(device), hardware.matmul_dtype_name(dtype)) \
+            if device.type == "cuda" else None
+        if sheet:
+            self.peak = sheet[0] * self.world
+            self.peak_source = f"{hardware.matmul_dtype_name(dtype)} datasheet peak x {self.world} ({sheet[1]})"
+        else:
+            self.peak = self.measured_peak
+            self.peak_source = f"the matmul rate measured here (no datasheet row for {device.type} devices)"
+        self.args, self.flops_per_token = args, cfg.flops_per_token(args.seq_len)
+        self.tokens_per_step = args.batch * args.seq_len
+        self.tokens_per_s = self.mfu = self.mfu_measured = self.memory_gib = 0.0
+        self.reserved_gib = None
+        super().__init__(device)
+
+    def report(self, rank: int, step: int, loss: float, lr: float, norm: float) -> None:
+        """Rank 0 prints the line for `step`; collective (the peak memory is the world's largest)."""
+        elapsed = self.training_seconds()
         self.tokens_per_s = self.steps * self.tokens_per_step / elapsed
         self.mfu = self.tokens_per_s * self.flops_per_token / self.peak
         self.mfu_measured = self.tokens_per_s * self.flops_per_token / self.measured_peak
-        memory = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64)
-        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-        self.memory_gib = memory.item() / 2 ** 30
+        peak, reserved = peak_memory(self.device)
+        memory = torch.tensor([peak, reserved or 0], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        self.memory_gib = memory[0].item() / 2 ** 30
+        self.reserved_gib = memory[1].item() / 2 ** 30 if reserved is not None else None
+        held = f"peak memory {self.memory_gib:.2f} GiB allocated, {self.reserved_gib:.2f} GiB reserved" \
+            if self.reserved_gib is not None else \
+            f"peak RSS {self.memory_gib:.2f} GiB{'' if self.windowed else ' (since the start)'}"
+        aside = ", ".join(f"{k} {v:.1f} s" for k, v in self.aside.items() if v)
         left = (self.args.steps - step) * elapsed / self.steps
         log(rank, f"step {step:>6}/{self.args.steps}  loss {loss:.4f}  lr {lr:.2e}  grad_norm {norm:.3f}  tokens/s "
-                  f"{self.tokens_per_s:,.0f}  MFU {100 * self.mfu:.1f}% ({100 * self.mfu_measured:.1f}% of measured)  peak memory {self.memory_gib:.2f} GiB  "
-                  f"time left {left:.0f} s")
+                  f"{self.tokens_per_s:,.0f}  MFU {100 * self.mfu:.1f}% ({100 * self.mfu_measured:.1f}% of "
+                  f"measured)  {held}  {f'(not counted: {aside})  ' if aside else ''}time left {left:.0f} s")
         self.restart()
 
     def figures(self) -> dict:
         return {"tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "mfu_of_measured": self.mfu_measured,
                 "peak_tflops": self.peak / 1e12, "peak_source": self.peak_source,
-                "matmul_peak_tflops": self.measured_peak / 1e12, "peak_memory_gib": self.memory_gib}
+                "matmul_peak_tflops": self.measured_peak / 1e12, "peak_memory_gib": self.memory_gib,
+                "peak_reserved_gib": self.reserved_gib, "eval_s": self.totals["eval"],
+                "checkpoint_s": self.totals["checkpoint"]}
 
 
 def resume(trainer: Trainer, args):
-    """(the Checkpointer of --ckpt-dir or None, the checkpoint resumed from or None). `load_latest` puts the newest
-    committed checkpoint's weights, optimizer state, schedule and data position into the trainer's state, whatever
-    layout wrote it; the config saved beside each checkpoint lets `train.py export` rebuild the model."""
+    """(the Checkpointer of --ckpt-dir or None, the checkpoint resumed from or None). `load_latest` puts the
+    checkpoint rank 0 picks into the trainer's state (weights, optimizer state, schedule, data position), whatever
+    layout wrote it, and each rank's random generators where the world size is the one that saved them (elsewhere
+    they are reseeded from the seed, the rank and the step); the config saved beside each checkpoint lets
+    `train.py export` rebuild the model."""
     if not args.ckpt_dir:
         return None, None
     config = {"model": dataclasses.asdict(trainer.cfg), "data": data.describe(trainer.data_paths),
               "args": {k: v for k, v in vars(args).items() if k != "model_config"}}
     checkpointer = ckpt.Checkpointer(args.ckpt_dir, args.keep, args.async_save, config)
-    return checkpointer, checkpointer.load_latest(trainer.state)
+    path = checkpointer.load_latest(trainer.state)
+    if path is not None and not checkpointer.rng_restored:
+        seed_generators(args.seed, dist.get_rank(), trainer.state.step)
+    return checkpointer, path
 
 
 def save_and_export(trainer: Trainer, checkpointer, args, rank: int, stopped: bool) -> None:
@@ -555,18 +669,32 @@ def save_and_export(trainer: Trainer, checkpointer, args, rank: int, stopped: bo
         log(rank, f"exported the model to {args.export}")
 
 
+def seed_generators(seed: int, rank: int, step: int = 0) -> None:
+    """Seed this rank's global generators (the CPU's and the GPUs'), which dropout and any other code that draws
+    without a generator of its own use: one stream per rank, saved with each checkpoint (checkpoint.save_rng). A
+    resume at another world size, where the saved streams belong to no rank, reseeds from the step."""
+    torch.manual_seed(((seed * 1_000_003 + rank) * 1_000_003 + step) % 2 ** 63)
+
+
 class StopFlag:
     """SIGTERM (torchrun forwards it to every worker when it is stopped; SLURM sends it before the end of a job):
-    finish the step, save, exit cleanly. The ranks agree on stopping through one small all-reduce per step."""
+    finish the step, save, exit cleanly. The ranks must stop after the same step: they agree through one small
+    all-reduce every `every` steps (not every step: that would be a host barrier per step), so a job stops within
+    `every` steps of the signal. One process agrees with itself: it checks every step, with no collective."""
 
-    def __init__(self):
-        self.signal = 0
+    def __init__(self, every: int):
+        self.signal, self.every, self.world = 0, every, dist.get_world_size()
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.signal = signum
 
-    def agreed(self) -> bool:
+    def agreed(self, step: int) -> bool:
+        """Collective on the steps that are multiples of `every` (every rank calls it after every step)."""
+        if self.world == 1:
+            return bool(self.signal)
+        if step % self.every:
+            return False
         flag = torch.tensor([self.signal], dtype=torch.int32)          # a CPU tensor: the gloo group carries it
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -579,16 +707,121 @@ def plant_crash(args, step: int, rank: int, world: int) -> None:
         time.sleep(0.1)                                  # let the handler run before the next check
 
 
+# ------------------------------------------------------------------------------------------------ looking at a run
+class Observers:
+    """What --tensorboard, --profile-steps and --memory-snapshot write; none costs anything unless asked for. The
+    TensorBoard scalars are rank 0's log line (the package is optional: without it the run says so in one line and
+    goes on); the profiler's trace and the allocator's history (CUDA only: torch's private recorder, the one
+    pytorch.org/memory_viz reads) are each rank's."""
+
+    def __init__(self, args, device: torch.device, rank: int):
+        self.args, self.device, self.rank, self.window = args, device, rank, args.profile_steps
+        self.writer = self.profiler = self.range = None
+        if args.tensorboard and rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(args.tensorboard)
+            except ImportError:
+                log(rank, "--tensorboard: the tensorboard package is not installed (pip install tensorboard); "
+                          "training goes on without it")
+        self.snapshot, self.steps = args.memory_snapshot if device.type == "cuda" else None, 0
+        if args.memory_snapshot and device.type != "cuda":
+            log(rank, f"--memory-snapshot: it records the CUDA allocator, which {device.type} ranks do not use")
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)   # from before the model is built
+
+    def scalars(self, step: int, **values) -> None:
+        for name, value in values.items():
+            if self.writer and value is not None:
+                self.writer.add_scalar(name, value, step)
+
+    def before_step(self, step: int) -> None:
+        if self.window and self.profiler is None and self.window[0] <= step <= self.window[1]:
+            cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
+            self.profiler.start()
+        if self.profiler is not None:                   # each step a named range in the trace
+            self.range = torch.profiler.record_function(f"train step {step}")
+            self.range.__enter__()
+
+    def after_step(self, step: int, last: bool = False) -> None:     # last: the run ends, write what records
+        self.steps += 1
+        if self.profiler is not None and self.range is not None:
+            self.range.__exit__(None, None, None)
+            self.range = None
+        if self.profiler is not None and (step >= self.window[1] or last):
+            self.profiler.stop()
+            path = Path(self.args.profile_dir) / f"trace_rank{self.rank}_steps{self.window[0]}-{step}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.export_chrome_trace(str(path))
+            self.profiler = self.window = None
+            log(self.rank, f"step {step:>6}  profiler trace: {path} (and the other ranks'; ui.perfetto.dev opens it)")
+        if self.snapshot and (self.steps >= SNAPSHOT_STEPS or last):
+            torch.cuda.memory._dump_snapshot(f"{self.snapshot}_rank{self.rank}.pickle")
+            torch.cuda.memory._record_memory_history(enabled=None)
+            log(self.rank, f"step {step:>6}  memory snapshot: {self.snapshot}_rank*.pickle (pytorch.org/memory_viz)")
+            self.snapshot = None
+
+    def close(self, step: int) -> None:
+        if self.profiler is not None or self.snapshot:
+            self.after_step(step, last=True)
+        if self.writer:
+            self.writer.close()
+
+
+def run_steps(trainer: Trainer, checkpointer, meter: Meter, observers: Observers, stop: StopFlag, metrics,
+              args) -> tuple:
+    """Train from the state's step to --steps (or to an agreed SIGTERM), logging, evaluating and saving on the
+    way; returns (the last evaluation's loss or None, whether a signal stopped it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_step, eval_loss = trainer.state.step, None
+    while trainer.state.step < args.steps:
+        observers.before_step(trainer.state.step + 1)
+        loss, norm = trainer.step()
+        step = trainer.state.step
+        meter.steps += 1
+        observers.after_step(step)
+        logged = step % args.log_every == 0 or step == args.steps or step == first_step + 1
+        if args.metrics or logged:                         # collective: every rank takes part
+            mean_loss, norm_value = trainer.global_mean(loss), norm.item()
+            lr = trainer.scheduler.get_last_lr()[0]
+            write_metrics(metrics, step=step, loss=mean_loss, lr=lr, grad_norm=norm_value)
+        if logged:
+            meter.report(rank, step, mean_loss, lr, norm_value)
+            observers.scalars(step, loss=mean_loss, lr=lr, grad_norm=norm_value, tokens_per_s=meter.tokens_per_s,
+                              mfu=meter.mfu, peak_memory_gib=meter.memory_gib, reserved_gib=meter.reserved_gib)
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            with meter.set_aside("eval"):
+                eval_loss = trainer.evaluate()
+            log(rank, f"step {step:>6}  eval loss {eval_loss:.4f}")
+            write_metrics(metrics, step=step, eval_loss=eval_loss)
+            observers.scalars(step, eval_loss=eval_loss)
+        if checkpointer and args.save_every and step % args.save_every == 0 and step < args.steps:
+            with meter.set_aside("checkpoint"):
+                checkpointer.save(trainer.state)
+        elif checkpointer:
+            checkpointer.poll()                            # an async save written since: committed now
+        plant_crash(args, step, rank, world)
+        if stop.agreed(step):
+            log(rank, f"step {step:>6}  stopping on signal {stop.signal or 'from a peer'}: saving and exiting")
+            return eval_loss, True
+    return eval_loss, False
+
+
 def train(device: torch.device, args) -> dict:
     """Build, resume if a checkpoint exists, train to --steps, evaluate, save; returns plain values only."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    stop = StopFlag()
+    seed_generators(args.seed, rank)
+    stop = StopFlag(args.stop_check_every)                # from the start: a SIGTERM while building is kept
+    observers = Observers(args, device, rank)             # first: a memory snapshot sees the model built
     trainer = Trainer(args, device)
     cfg = trainer.cfg
+    meter = Meter(args, cfg, device, trainer.dtype)         # its matmul probe draws: before the generators load
     checkpointer, resumed = resume(trainer, args)
-    meter = Meter(args, cfg, device, trainer.dtype)
     source = f"resumed from {resumed}" if resumed else f"weights of {args.init_from}" if args.init_from else \
         "initialised"
+    if resumed and not checkpointer.rng_restored:
+        source += " (its random generators were saved at another world size: reseeded)"
     log(rank, f"training a {cfg.num_params() / 1e6:.2f}M-parameter Llama ({cfg.n_layers} layers, dim {cfg.dim}, "
               f"{cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads, vocabulary {cfg.vocab_size}) on {world} "
               f"{device.type} rank{'s' * (world > 1)} as {layout_name(args)}, {args.dtype}"
@@ -596,40 +829,22 @@ def train(device: torch.device, args) -> dict:
               f"{args.batch} x {args.seq_len} tokens, {source}; MFU against {meter.peak / 1e12:.4g} TFLOP/s, "
               f"{meter.peak_source}; measured matmul peak {meter.measured_peak / 1e12:.3g} TFLOP/s in all; a line "
               f"every {args.log_every} steps with the time left")
-    metrics = open(args.metrics, "a", buffering=1) if args.metrics and rank == 0 else None
-    first_step, eval_loss, stopped = trainer.state.step, None, False
+    if checkpointer and checkpointer.others:
+        log(rank, f"left alone in {args.ckpt_dir}: {' '.join(p.name for p in checkpointer.others)} (another job's)")
+    metrics = open_metrics(args.metrics, trainer.state.step) if args.metrics and rank == 0 else None
     started = meter.restart()
     try:
-        while trainer.state.step < args.steps:
-            loss, norm = trainer.step()
-            step = trainer.state.step
-            meter.steps += 1
-            logged = step % args.log_every == 0 or step == args.steps or step == first_step + 1
-            if args.metrics or logged:                         # collective: every rank takes part
-                mean_loss, norm_value = trainer.global_mean(loss), norm.item()
-                lr = trainer.scheduler.get_last_lr()[0]
-                write_metrics(metrics, step=step, loss=mean_loss, lr=lr, grad_norm=norm_value)
-            if logged:
-                meter.report(rank, step, mean_loss, lr, norm_value)
-            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-                eval_loss = trainer.evaluate()
-                log(rank, f"step {step:>6}  eval loss {eval_loss:.4f}")
-                write_metrics(metrics, step=step, eval_loss=eval_loss)
-            if checkpointer and args.save_every and step % args.save_every == 0 and step < args.steps:
-                checkpointer.save(trainer.state)
-            elif checkpointer:
-                checkpointer.poll()                            # an async save written since: committed now
-            plant_crash(args, step, rank, world)
-            if stop.agreed():
-                log(rank, f"step {step:>6}  stopping on signal {stop.signal or 'from a peer'}: saving and exiting")
-                stopped = True
-                break
+        eval_loss, stopped = run_steps(trainer, checkpointer, meter, observers, stop, metrics, args)
         if not stopped:
-            eval_loss = trainer.evaluate()
+            with meter.set_aside("eval"):
+                eval_loss = trainer.evaluate()
             log(rank, f"step {trainer.state.step:>6}  eval loss {eval_loss:.4f}")
             write_metrics(metrics, step=trainer.state.step, eval_loss=eval_loss, final=True)
-        save_and_export(trainer, checkpointer, args, rank, stopped)
+            observers.scalars(trainer.state.step, eval_loss=eval_loss)
+        with meter.set_aside("checkpoint"):
+            save_and_export(trainer, checkpointer, args, rank, stopped)
     finally:
+        observers.close(trainer.state.step)
         if metrics:
             metrics.close()
     dist.barrier()
@@ -668,7 +883,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
     args = parse_args(argv)
-    result = run_distributed(train, args)
+    try:
+        result = run_distributed(train, args)
+    except ckpt.CheckpointError as e:              # every rank refuses alike: one line each, exit status 2
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if result["rank"] == 0:
         print("summary: " + json.dumps({k: v for k, v in result.items() if k != "rank"}), flush=True)
 
