@@ -14,11 +14,10 @@ import pytest
 
 from helpers.paths import SCRIPTS
 
-# the recipes that save or load with DCP (notebooks 06 and 09: train/train.py, cluster_ddp.py) or run DTensor and
-# pipeline stages (07, 08: train/train.py), and the first scripts (00, 01, 02): every script that may run NCCL sets
-# its device first
-RECIPES = ["cluster_ddp.py", "train/train.py", "hello_distributed.py",
-           "collectives.py", "train_ddp.py"]
+# where the scripts that may run NCCL join their group: the recipe's one init_distributed (train/distributed.py,
+# which train/train.py, train_ddp.py and ddp_bench.py import; the recipes that save or load with DCP, notebooks 06 and
+# 09, and run DTensor and pipeline stages, 07 and 08), cluster_ddp.py's own, and the first scripts (00, 01)
+RECIPES = ["cluster_ddp.py", "train/distributed.py", "hello_distributed.py", "collectives.py"]
 
 
 def _calls(tree: ast.AST) -> list[str]:
@@ -42,3 +41,13 @@ def test_an_nccl_recipe_sets_the_current_device_before_its_process_group(name):
     calls = _calls(ast.parse(source))
     assert "torch.cuda.set_device" in calls, f"{name}: device_id alone leaves every rank's current device cuda:0"
     assert calls.index("torch.cuda.set_device") < calls.index("dist.init_process_group")
+
+
+@pytest.mark.parametrize("name", ["train/train.py", "train_ddp.py"])
+def test_the_recipes_join_through_the_one_init_distributed(name):
+    """They call no init_process_group of their own: distributed.py's, checked above, is theirs."""
+    tree = ast.parse((SCRIPTS / name).read_text())
+    assert "dist.init_process_group" not in _calls(tree)
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module == "distributed" for alias in node.names}
+    assert "run_distributed" in imported

@@ -92,6 +92,7 @@ def test_functions_from_the_cells_or_scripts_pass(tmp_path, scripts_dir):
         "helpers.launch(worker, 2)\nhelpers.launch(functools.partial(worker, n=1))\n"
         "helpers.launch(run_distributed, worker, 3)\nhelpers.Workers(2).run(train)\nw = helpers.Workers(2)\n"
         "w.run(fn=worker)\nhelpers.launch(lambda: 1)\nimport subprocess\nsubprocess.run(['ls'])\n"
+        "command = ['python', 'train.py']\nsubprocess.run(command, check=True)\n"
         "from helpers.cluster.torchrun import run_torchrun\nrun_torchrun(helpers.paths.SCRIPTS / 'recipe.py')")
     nb = json.loads(path.read_text())
     launches = launched_functions(code_cells(nb), written_files(nb), scripts_dir=scripts_dir)

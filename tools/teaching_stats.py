@@ -216,6 +216,8 @@ def launched_functions(cells: list[str], written: set[str] = frozenset(), script
         name = _name(node.func)
         if isinstance(node.func, ast.Name) and name in b.defined:
             continue  # the cells' own function that happens to be called run or launch: a plain call
+        if ast.unparse(node.func).startswith(("subprocess.", "asyncio.")):
+            continue  # subprocess.run(command): a program started, not a function launched on workers
         if name in LAUNCHERS:
             for arg in _launched_args(node):
                 if not _is_function_reference(arg):

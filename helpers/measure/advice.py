@@ -132,7 +132,7 @@ def machine_setting() -> dict:
     import torch
 
     from helpers.devices import machine_facts
-    from helpers.measure.collectives import transport_facts
+    from helpers.measure.ceilings import transport_facts
 
     facts, net = machine_facts(), transport_facts()
     gpus = facts["gpus"]
