@@ -67,7 +67,7 @@ def test_cells_after_an_error_still_run_and_figures_are_kept(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_a_hanging_notebook_is_stopped_at_the_budget_and_leaves_nothing_running(tmp_path):
-    session, ok, records = run(tmp_path, "full", 25, (
+    session, ok, records = run(tmp_path, "full", 15, (
         "02_hangs",
         "import subprocess\nchild = subprocess.Popen(['sleep', '600'], start_new_session=True)\nprint('pid', child.pid)",
         "import time\ntime.sleep(600)",
