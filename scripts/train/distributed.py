@@ -14,6 +14,14 @@ import os
 import torch
 import torch.distributed as dist
 
+# Every group this process joined, referenced until the process ends, also after destroy_process_group(). A comm
+# hook's future callbacks (PowerSGD's, the fp16 hook's) hold the group and are freed on gloo's own worker thread,
+# some time after the step that used them. If theirs were the last reference, the group would be destroyed on that
+# thread, which then joins itself: "terminate called after throwing an instance of 'std::system_error' / Resource
+# deadlock avoided", SIGABRT at the end of a finished run (notebook 02b's PowerSGD run hit it on a busy machine;
+# tests/test_process_group_lifetime.py makes it happen every time). Held here, the group is freed by this thread.
+GROUPS_JOINED: list = []
+
 
 def uses_gpu() -> bool:
     """One GPU per local rank, or the CPU for every rank (never a mix). More local ranks than visible GPUs is a
@@ -35,9 +43,11 @@ def init_distributed() -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-        return device
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    GROUPS_JOINED.append(dist.group.WORLD)
+    return device
 
 
 def run_distributed(body, *args, **kwargs):
