@@ -96,7 +96,7 @@ HEAVY_NOTEBOOKS = {"05_mixed_precision", "06_checkpointing_and_fault_tolerance"}
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into node ids (`name@group`)
 def pytest_collection_modifyitems(config, items):
-    """`./cookbook test` runs two tests at a time (pytest-xdist, `--dist loadgroup`), each worker a process with its
+    """`./cookbook test` runs three tests at a time (pytest-xdist, `--dist loadgroup`), each worker a process with its
     own fork-server, so the checks above hold per worker. The browser test (JupyterLab in Chromium, waiting on a
     page) and the two heaviest notebooks form one group, which one worker runs one after another; every other test,
     the lighter notebooks included, goes to whichever worker is free. The training recipe's tests form a group of
