@@ -320,6 +320,9 @@ def test_tcp_rendezvous_is_pytorchs_tcpstore():
     def work():
         _init()
         store_type = type(dist.distributed_c10d._get_default_store()).__name__
+        # rank 0 hosts the store: leaving before rank 1 has finished joining through it would end rank 1's join
+        # ("Failed to recv"), as it did on a busy machine; after a barrier both have joined
+        dist.barrier()
         dist.destroy_process_group()
         return store_type
 

@@ -50,6 +50,7 @@ SELFTEST_PARALLEL = 2
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata", "safetensors", "tokenizers"}
 TOKENIZER_VOCAB = 512
 PROMPT = "The with statement"
+LAYERS4 = ["--n-layers", "4", "--accum", "4"]   # 4 stages of one block each for the two-stages-per-rank schedules
 # What a user's edit might add: dropout after each block's feed-forward (train.py run through this wrapper)
 DROPOUT = """import torch.nn.functional as F
 import model
@@ -144,6 +145,10 @@ def runs(workspace) -> dict[str, Result]:
               after=("selftest",))
           for suffix, flags in (("", []), ("_no_cache", ["--no-cache"]))],
         Job("bad_flag", ["--no-such-flag"], None),
+        # two stages per rank need twice the layers: a one-process run of that model, then the schedules
+        Job("one4", [*LAYERS4, "--ckpt-dir", "ck_one4"], 1),
+        Job("pp_interleaved", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved"], 2),
+        Job("pp_zero_bubble", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved-zb", "--ckpt-dir", "ck_zb"], 2),
     ], PARALLEL, ["tokens.bin"])
     saved = root / "st" / "results.json"
     for name, fields in (json.loads(saved.read_text()) if saved.exists() else {}).items():
@@ -232,6 +237,31 @@ def test_a_layout_of_two_ranks_matches_one_process(runs, layout):
 def test_a_layout_of_four_ranks_matches_one_process(runs, runs4, layout):
     _assert_clean(runs4[layout], layout)
     _assert_same_losses(runs4[layout], runs["one"], layout)
+
+
+@pytest.mark.parametrize("layout", ["pp_interleaved", "pp_zero_bubble"])
+def test_two_pipeline_stages_per_rank_match_one_process(runs, layout):
+    """Interleaved 1F1B and interleaved zero bubble (ScheduleInterleavedZeroBubble: the weight gradients fill the
+    bubble): 4 stages over 2 ranks, each rank two models (pipeline.py's StagesView shows them as one to the
+    optimizer, the gradient norm and the checkpoint)."""
+    _assert_clean(runs["one4"], "one4")
+    _assert_clean(runs[layout], layout)
+    _assert_same_losses(runs[layout], runs["one4"], layout)
+
+
+def test_two_stages_per_rank_save_the_whole_models_checkpoint(runs, workspace):
+    """Their checkpoint holds the whole model under its own names: one process loads it as it loads one process's
+    own, and the weights are that run's (4 AdamW steps on the same gradients, up to the order of float sums)."""
+    import torch
+
+    from checkpoint import full_model_state   # the recipe's (scripts/train/ is on the path, as for train below)
+
+    root, _ = workspace
+    _assert_clean(runs["pp_zero_bubble"], "pp_zero_bubble")
+    _, staged, _ = full_model_state(root / "ck_zb" / "step_00000004")
+    _, whole, _ = full_model_state(root / "ck_one4" / "step_00000004")
+    assert staged.keys() == whole.keys()
+    torch.testing.assert_close(staged, whole, rtol=1e-5, atol=1e-6)
 
 
 def test_the_recipes_selftest_passes_from_a_copy_of_the_folder(runs):
@@ -328,8 +358,16 @@ def test_a_bad_flag_is_one_line_and_status_2(runs):
     (["--data", "tokens.bin", "--vocab-size", "256"], 1,
      f"the token file's vocabulary ({TOKENIZER_VOCAB}) exceeds the model's (256)"),
     (["--init-from", "not_llama"], 1, "not_llama is not a Llama this recipe can load: model_type 'gpt2' is not 'llama'"),
-    (["--keep", "0"], 1, "--keep must be at least 1, got 0")],
-    ids=["layout", "kv_heads", "tp_kv_heads", "vocab", "not_a_llama", "keep"])
+    (["--keep", "0"], 1, "--keep must be at least 1, got 0"),
+    (["--pp", "2", "--accum", "4", "--n-layers", "3", "--pp-schedule", "interleaved"], 2,
+     "the interleaved schedule places 4 stages (2 per rank): it needs as many layers, not 3"),
+    (["--pp", "2", "--accum", "5", "--batch", "10", "--n-layers", "4", "--pp-schedule", "interleaved"], 2,
+     "--accum 5 is not a multiple of its 2 rounds"),
+    (["--pp", "2", "--accum", "4", "--n-layers", "4", "--pp-schedule", "zbv"], 2, "the zbv schedule cannot evaluate"),
+    (["--pp", "2", "--accum", "4", "--n-layers", "4", "--pp-schedule", "interleaved-zb", "--compile"], 2,
+     "add --no-compile")],
+    ids=["layout", "kv_heads", "tp_kv_heads", "vocab", "not_a_llama", "keep", "stages", "rounds", "zbv",
+         "zero_bubble_compiled"])
 def test_a_bad_input_is_one_line_and_status_2_before_any_process_group(workspace, monkeypatch, capsys, argv, world,
                                                                        message):
     """train.py's argument check, called in this process as its main() calls it, on the workspace's files (the program

@@ -71,3 +71,18 @@ def pipeline_schedule(stage, name: str, n_microbatches: int, loss_fn):
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
            "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[name]
     return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+class StagesView(nn.Module):
+    """This rank's stages (several: an interleaved or V schedule's) seen as one model under the whole model's names,
+    for what needs one module: the optimizer, the gradient norm, the checkpoint (get_state_dict), loading weights.
+    It holds the stages' own modules, shared, not copies: the blocks keep their names (layers.<i>), so the state
+    dict is the one every other layout saves; a stage without the embedding or the output leaves it None here."""
+
+    def __init__(self, stages: list[nn.Module]):
+        super().__init__()
+        self.cfg = stages[0].cfg
+        self.tok_embeddings = next((m.tok_embeddings for m in stages if m.tok_embeddings is not None), None)
+        self.layers = nn.ModuleDict({name: block for m in stages for name, block in m.layers.items()})
+        self.norm = next((m.norm for m in stages if m.norm is not None), None)
+        self.output = next((m.output for m in stages if m.output is not None), None)

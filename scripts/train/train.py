@@ -49,7 +49,7 @@ from ac import apply_ac, apply_compile
 from config import PRESETS, GPTConfig, Layout, preset
 from distributed import run_distributed, uses_gpu
 from model import GPT, cross_entropy
-from pipeline import pipeline_schedule, pipeline_split, pipeline_stage
+from pipeline import SCHEDULE_STAGES, StagesView, pipeline_schedule, pipeline_split, pipeline_stage
 from tp import apply_tp
 
 GPU_DEFAULTS = {"model": "small", "batch_per_dp_rank": 16, "steps": 1000, "dtype": "bf16", "compile": True,
@@ -96,7 +96,9 @@ def build_parser() -> Parser:
     g.add_argument("--dp-shard", type=int, default=-1, help="FSDP2 shards (-1: what the world size leaves)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel (sequence parallel, loss parallel)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (the micro-batches are --accum)")
-    g.add_argument("--pp-schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    g.add_argument("--pp-schedule", choices=list(SCHEDULE_STAGES), default="1f1b", help="1f1b, gpipe: one stage "
+                   "per rank; interleaved: two per rank, a smaller bubble; interleaved-zb: two per rank, the weight "
+                   "gradients filling the bubble (zero bubble); zbv: refused, it cannot evaluate (notebook 08b)")
     g = p.add_argument_group("training")
     g.add_argument("--data", nargs="+", help="token files from `train.py prepare` (several: shards of one corpus; "
                    "default: CPython's language reference as bytes)")
@@ -188,12 +190,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.warmup = max(1, args.steps // 20)
     try:
         layout(args).check(world, args.model_config, args.seq_len)
+        if args.pp > 1:
+            check_schedule(args.pp_schedule, args.pp, args.accum, args.model_config.n_layers, args.compile)
     except ValueError as e:
         parser.error(str(e))
     if args.batch % (dp * args.accum):
         parser.error(f"--batch {args.batch} must be a multiple of data-parallel ranks {dp} x --accum {args.accum}")
-    if args.pp > 1 and args.pp_schedule == "1f1b" and args.accum < args.pp:
-        parser.error(f"the 1f1b schedule needs --accum (micro-batches) >= --pp {args.pp}, got {args.accum}")
     try:
         args.profile_steps = profile_window(args.profile_steps)
     except ValueError as e:
@@ -201,6 +203,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.export and args.pp > 1 and not args.ckpt_dir:
         parser.error("--export with --pp needs --ckpt-dir: no rank holds the whole model, the checkpoint does")
     return args
+
+
+def check_schedule(name: str, pp: int, accum: int, n_layers: int, compiled: bool) -> None:
+    """What torch's schedule would refuse on every rank after the process group exists, said here in one line:
+    1F1B needs a micro-batch per stage; the interleaved schedules run in rounds of pp micro-batches; every stage
+    holds a block at least; the zero-bubble schedules split each backward in two, which torch refuses on
+    compiled blocks; ZBV cannot run forward only, which the evaluation needs (notebook 08b trains with it)."""
+    chunks, _ = SCHEDULE_STAGES[name]
+    if name == "1f1b" and accum < pp:
+        raise ValueError(f"the 1f1b schedule needs --accum (micro-batches) >= --pp {pp}, got {accum}")
+    if name.startswith("interleaved") and accum % max(1, accum // pp):
+        raise ValueError(f"the {name} schedule runs rounds of --pp {pp} micro-batches: --accum {accum} is not a "
+                         f"multiple of its {max(1, accum // pp)} rounds")
+    if n_layers < pp * chunks:
+        raise ValueError(f"the {name} schedule places {pp * chunks} stages ({chunks} per rank): it needs as many "
+                         f"layers, not {n_layers}")
+    if name == "zbv":   # its forward-only run still steals the input gradients: "doesn't have backward"
+        raise ValueError("the zbv schedule cannot evaluate (torch's ScheduleZBVZeroBubble has no forward-only run): "
+                         "use interleaved-zb, the other zero-bubble schedule")
+    if compiled and name == "interleaved-zb":
+        raise ValueError(f"the {name} schedule splits each backward in two, and torch runs it on blocks that are "
+                         "not compiled only: add --no-compile")
 
 
 def model_config(args) -> GPTConfig:
@@ -267,15 +291,18 @@ class Built:
                                    cfg, args.seq_len)
         self.dp_rank, self.dp = par.dp_rank_and_size(self.mesh)
         self.tp_rank, self.pp_rank = self.mesh.get_local_rank("tp"), self.mesh.get_local_rank("pp")
-        self.last_stage = self.pp_rank == args.pp - 1
         self.dtype = DTYPES[args.dtype]
         self.fsdp = uses_fsdp(args)
         self.ddp = uses_ddp(args)
-        self.model, self.train_model = build_model(args, cfg, self.mesh, device, self.dtype)
-        self.stage = None
-        if args.pp > 1:
-            self.stage = pipeline_stage(self.train_model, self.mesh["pp"], device)
-            self.schedule = pipeline_schedule(self.stage, args.pp_schedule, args.accum, cross_entropy)
+        chunks, style = SCHEDULE_STAGES[args.pp_schedule] if args.pp > 1 else (1, "loop")
+        self.parts, self.model, self.train_model = build_model(args, cfg, self.mesh, device, self.dtype, chunks, style)
+        self.stages = [pipeline_stage(part, self.mesh["pp"], device, chunk, chunks, style)
+                       for chunk, part in enumerate(self.parts)] if args.pp > 1 else []
+        # which ends of the pipeline this rank holds (a V puts the first and the last stage on rank 0)
+        self.first_stage = args.pp == 1 or any(s.is_first for s in self.stages)
+        self.last_stage = args.pp == 1 or any(s.is_last for s in self.stages)
+        if self.stages:
+            self.schedule = self._schedule(args.pp_schedule, args.accum)
         self.eval_schedules = {}       # evaluation's, by micro-batch count (Trainer._pipeline_eval)
         # autocast where FSDP2's policy does not already compute in bf16
         self.autocast = self.dtype != torch.float32 and not self.fsdp
@@ -287,6 +314,11 @@ class Built:
                                         args.batch, args.seed)
         self.batches = None        # iter(loader) at the first step: after a checkpoint has set its position
         self.state = ckpt.TrainState(self.train_model, self.optimizer, self.scheduler, self.loader)
+
+    def _schedule(self, name: str, n_microbatches: int):
+        """A schedule over this rank's stages: the stage itself for one per rank, the list for several."""
+        stages = self.stages if len(self.stages) > 1 else self.stages[0]
+        return pipeline_schedule(stages, name, n_microbatches, cross_entropy)
 
     def _next(self):
         if self.batches is None:
@@ -325,15 +357,26 @@ def layout_name(args) -> str:
     return " x ".join(parts) or "one process"
 
 
-def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype):
+def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype, chunks: int = 1,
+                style: str = "loop"):
     """The model made parallel by the layout, in torchtitan's order: built on the meta device, cut into this rank's
     pipeline stage, tensor parallel, activation checkpointing, compiled, sharded by FSDP2; then to_empty and
     init_weights make this rank's pieces real (or --init-from's weights, each rank reading only the tensors its
-    pieces come from). Returns (the model, the module the step calls: DDP's or the model)."""
+    pieces come from). A schedule with `chunks` stages per rank gets one model per stage, each cut from its own
+    copy (placed as `style` says). Returns (this rank's models, one per stage; the model the optimizer and the
+    checkpoint see: the one, or a StagesView of the several; the module the step calls: DDP's or the model)."""
+    parts = [build_part(args, cfg, mesh, device, dtype, chunk, chunks, style) for chunk in range(chunks)]
+    model = parts[0] if chunks == 1 else StagesView(parts)
+    return parts, model, par.apply_ddp(model, mesh["dp_replicate"], device) if uses_ddp(args) else model
+
+
+def build_part(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype, chunk: int = 0,
+               chunks: int = 1, style: str = "loop"):
+    """build_model's model, or with a pipeline the stage `chunk` of this rank's `chunks`."""
     with torch.device("meta"):                    # no memory yet: each rank materializes only its pieces
         model = GPT(cfg)
     if args.pp > 1:
-        model = pipeline_split(model, mesh["pp"])
+        model = pipeline_split(model, mesh["pp"], chunk, chunks, style)
     if args.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=True)
     apply_ac(model, args.ac)
@@ -347,7 +390,7 @@ def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.d
     model.init_weights(args.seed)
     if args.init_from and not (args.ckpt_dir and ckpt.latest(args.ckpt_dir)):     # a resume wins
         ckpt.load_hf(model, args.init_from)
-    return model, par.apply_ddp(model, mesh["dp_replicate"], device) if uses_ddp(args) else model
+    return model
 
 
 def lr_lambda(warmup: int, steps: int, min_ratio: float):
@@ -411,20 +454,17 @@ class Stepper(Built):
         """A pipeline schedule's step or eval, called as this rank's stage needs: the first stage feeds the inputs,
         the last the targets; returns the last stage's micro-batch losses."""
         losses = []
+        inputs = [x] if self.first_stage else []
+        targets = {"target": y, "losses": losses} if self.last_stage else {}
         with self._context():
-            if self.pp_rank == 0:
-                schedule_call(x)
-            elif self.last_stage:
-                schedule_call(target=y, losses=losses)
-            else:
-                schedule_call()
+            schedule_call(*inputs, **targets)
         return losses
 
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over --accum micro-batches; returns (this rank's mean loss, or 0 off the last
         pipeline stage; the gradient norm before clipping)."""
         args = self.args
-        if self.stage is not None:
+        if self.stages:
             losses = self._through_stages(self.schedule.step, *self._next())
             loss = torch.stack([plain(l).detach() for l in losses]).mean() if losses else \
                 torch.zeros((), device=self.device)
@@ -460,21 +500,23 @@ class Trainer(Stepper):
     def evaluate(self) -> float:
         """Mean loss over the first --eval-windows held-out sequences (the same ones at every layout)."""
         args = self.args
-        self.train_model.eval()
+        for part in self.parts:
+            part.eval()
         total = torch.zeros((), device=self.device)
         count = 0
         for x, y in data.eval_batches(self.data_paths, args.seq_len, max(1, self.local_batch // args.accum),
                                       self.dp_rank, self.dp, args.eval_windows):
             x, y = x.to(self.device), y.to(self.device)
-            if self.stage is not None:
+            if self.stages:
                 total += self._pipeline_eval(x, y) * len(x)
             else:
                 with self._context():
                     total += plain(cross_entropy(self.train_model(x), y)).detach() * len(x)
             count += len(x)
-        self.train_model.train()
-        if self.fsdp:
-            self.model.reshard()        # a forward without backward leaves the root's weights gathered
+        for part in self.parts:
+            part.train()
+            if self.fsdp:
+                part.reshard()          # a forward without backward leaves the root's weights gathered
         return self.global_mean(total / count)
 
     def _pipeline_eval(self, x, y) -> torch.Tensor:
@@ -482,7 +524,7 @@ class Trainer(Stepper):
         schedule per micro-batch count for the whole run, built at its first use."""
         n = self.args.accum if len(x) % self.args.accum == 0 else 1
         if n not in self.eval_schedules:
-            self.eval_schedules[n] = pipeline_schedule(self.stage, "gpipe", n, cross_entropy)
+            self.eval_schedules[n] = self._schedule("gpipe" if len(self.stages) == 1 else self.args.pp_schedule, n)
         schedule = self.eval_schedules[n]
         losses = self._through_stages(schedule.eval if hasattr(schedule, "eval") else schedule.step, x, y)
         self.optimizer.zero_grad(set_to_none=True)
