@@ -10,8 +10,9 @@ checkpoint's, and FSDP2's checkpoint trains on in a pipeline. Its runs (kept in 
 nothing runs twice. What else is proved, each from runs made once and shared between the asserts (a module-scoped
 fixture runs them all, a few at a time, with selftest's runner):
 - DDP (with torch.compile and full activation checkpointing, and the TensorBoard, profiler and memory-snapshot
-  flags, which must not change what is computed) and the 4-rank layouts (HSDP, FSDP x TP, pipeline x TP) give the
-  one-process run's losses within LOSS_RTOL;
+  flags, which must not change what is computed), context parallel (each sequence split over 2 ranks), the
+  4-rank layouts (HSDP, FSDP x TP, pipeline x TP) and two pipeline stages per rank (interleaved 1F1B, interleaved
+  zero bubble; against a one-process run of 4 layers) give the one-process run's losses within LOSS_RTOL;
 - a model with dropout (a wrapper adds it) stopped by SIGTERM, with the ranks agreeing every 2 steps, saves within
   one interval and exits 0; resumed, it matches the uninterrupted run bit for bit: each rank's generator travels
   with the checkpoint;
@@ -149,6 +150,7 @@ def runs(workspace) -> dict[str, Result]:
         Job("one4", [*LAYERS4, "--ckpt-dir", "ck_one4"], 1),
         Job("pp_interleaved", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved"], 2),
         Job("pp_zero_bubble", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved-zb", "--ckpt-dir", "ck_zb"], 2),
+        Job("cp", ["--cp", "2"], 2),       # each sequence split over the 2 ranks: ring attention (cp.py)
     ], PARALLEL, ["tokens.bin"])
     saved = root / "st" / "results.json"
     for name, fields in (json.loads(saved.read_text()) if saved.exists() else {}).items():
@@ -226,7 +228,7 @@ def test_one_process_trains(runs):
     assert "steps 1 to 4" in first_line and "time left" in first_line, first_line
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp", "pp"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp", "pp", "cp"])
 def test_a_layout_of_two_ranks_matches_one_process(runs, layout):
     _assert_clean(runs[layout], layout)
     _assert_same_losses(runs[layout], runs["one"], layout)
@@ -365,9 +367,13 @@ def test_a_bad_flag_is_one_line_and_status_2(runs):
      "--accum 5 is not a multiple of its 2 rounds"),
     (["--pp", "2", "--accum", "4", "--n-layers", "4", "--pp-schedule", "zbv"], 2, "the zbv schedule cannot evaluate"),
     (["--pp", "2", "--accum", "4", "--n-layers", "4", "--pp-schedule", "interleaved-zb", "--compile"], 2,
-     "add --no-compile")],
+     "add --no-compile"),
+    (["--cp", "3"], 2, "--cp 3 ranks are taken out of --dp-shard 2: it must divide it"),
+    (["--cp", "2", "--tp", "2"], 4, "--cp with --tp or --pp: not built in this recipe"),
+    (["--cp", "3", "--seq-len", "16"], 3, "--cp 3 cuts each sequence into 6 equal chunks: --seq-len 16 does not divide"),
+    (["--cp", "2", "--compile"], 2, "torch.compile does not compile the ring's point-to-point sends")],
     ids=["layout", "kv_heads", "tp_kv_heads", "vocab", "not_a_llama", "keep", "stages", "rounds", "zbv",
-         "zero_bubble_compiled"])
+         "zero_bubble_compiled", "cp_of_dp_shard", "cp_with_tp", "cp_seq_len", "cp_compiled"])
 def test_a_bad_input_is_one_line_and_status_2_before_any_process_group(workspace, monkeypatch, capsys, argv, world,
                                                                        message):
     """train.py's argument check, called in this process as its main() calls it, on the workspace's files (the program

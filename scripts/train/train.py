@@ -49,6 +49,7 @@ from ac import apply_ac, apply_compile
 from config import PRESETS, GPTConfig, Layout, preset
 from distributed import run_distributed, uses_gpu
 from model import GPT, cross_entropy
+from cp import apply_cp, cp_shard
 from pipeline import SCHEDULE_STAGES, StagesView, pipeline_schedule, pipeline_split, pipeline_stage
 from tp import apply_tp
 
@@ -96,6 +97,8 @@ def build_parser() -> Parser:
     g.add_argument("--dp-shard", type=int, default=-1, help="FSDP2 shards (-1: what the world size leaves)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel (sequence parallel, loss parallel)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (the micro-batches are --accum)")
+    g.add_argument("--cp", type=int, default=1, help="context parallel: each sequence split over this many ranks "
+                   "(ring attention, cp.py), taken out of --dp-shard")
     g.add_argument("--pp-schedule", choices=list(SCHEDULE_STAGES), default="1f1b", help="1f1b, gpipe: one stage "
                    "per rank; interleaved: two per rank, a smaller bubble; interleaved-zb: two per rank, the weight "
                    "gradients filling the bubble (zero bubble); zbv: refused, it cannot evaluate (notebook 08b)")
@@ -169,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    for key in ("tp", "pp", "dp_replicate", "accum", "steps", "log_every", "keep", "stop_check_every",
+    for key in ("tp", "pp", "cp", "dp_replicate", "accum", "steps", "log_every", "keep", "stop_check_every",
                 *SHAPE_FLAGS[:4], "seq_len", "vocab_size"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
@@ -183,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if args.dp_shard == -1:
         args.dp_shard = world // (args.dp_replicate * args.tp * args.pp) or 1
-    dp = args.dp_replicate * args.dp_shard
+    dp = args.dp_replicate * args.dp_shard // args.cp        # the ranks that read different batches
     if args.batch is None:
         args.batch = defaults["batch_per_dp_rank"] * dp * (args.accum if args.pp > 1 else 1)
     if args.warmup is None:
@@ -192,6 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         layout(args).check(world, args.model_config, args.seq_len)
         if args.pp > 1:
             check_schedule(args.pp_schedule, args.pp, args.accum, args.model_config.n_layers, args.compile)
+        if args.cp > 1:
+            check_context_parallel(args.cp, args.dp_shard, args.tp, args.pp, args.seq_len, args.compile)
     except ValueError as e:
         parser.error(str(e))
     if args.batch % (dp * args.accum):
@@ -203,6 +208,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.export and args.pp > 1 and not args.ckpt_dir:
         parser.error("--export with --pp needs --ckpt-dir: no rank holds the whole model, the checkpoint does")
     return args
+
+
+def check_context_parallel(cp: int, dp_shard: int, tp: int, pp: int, seq_len: int, compiled: bool) -> None:
+    """--cp's ranks come out of --dp-shard's (FSDP2 then averages their partial gradients with the others'); each
+    rank takes 2 chunks of each sequence (cp.py's causal balance). Beside tensor or pipeline parallelism it is not
+    built here, and torch.compile stops at the ring's point-to-point sends: ValueError, one line."""
+    if dp_shard % cp:
+        raise ValueError(f"--cp {cp} ranks are taken out of --dp-shard {dp_shard}: it must divide it")
+    if tp > 1 or pp > 1:
+        raise ValueError("--cp with --tp or --pp: not built in this recipe (context parallel over data parallel only)")
+    if seq_len % (2 * cp):
+        raise ValueError(f"--cp {cp} cuts each sequence into {2 * cp} equal chunks: --seq-len {seq_len} does not divide")
+    if compiled:
+        raise ValueError("--cp: torch.compile does not compile the ring's point-to-point sends: add --no-compile")
 
 
 def check_schedule(name: str, pp: int, accum: int, n_layers: int, compiled: bool) -> None:
@@ -290,16 +309,18 @@ class Built:
         self.mesh = par.build_mesh(self.world, args.dp_replicate, args.dp_shard, args.tp, args.pp, device.type,
                                    cfg, args.seq_len)
         self.dp_rank, self.dp = par.dp_rank_and_size(self.mesh)
+        self.cp_mesh = context_parallel_mesh(args, device.type)
+        self.data_rank, self.data_dp = self.dp_rank // args.cp, self.dp // args.cp   # cp peers read one batch
         self.tp_rank, self.pp_rank = self.mesh.get_local_rank("tp"), self.mesh.get_local_rank("pp")
         self.dtype = DTYPES[args.dtype]
         self.fsdp = uses_fsdp(args)
         self.ddp = uses_ddp(args)
         chunks, style = SCHEDULE_STAGES[args.pp_schedule] if args.pp > 1 else (1, "loop")
-        self.parts, self.model, self.train_model = build_model(args, cfg, self.mesh, device, self.dtype, chunks, style)
+        self.parts, self.model, self.train_model = build_model(args, cfg, self.mesh, device, self.dtype, chunks, style,
+                                                               self.cp_mesh)
         self.stages = [pipeline_stage(part, self.mesh["pp"], device, chunk, chunks, style)
                        for chunk, part in enumerate(self.parts)] if args.pp > 1 else []
-        # which ends of the pipeline this rank holds (a V puts the first and the last stage on rank 0)
-        self.first_stage = args.pp == 1 or any(s.is_first for s in self.stages)
+        self.first_stage = args.pp == 1 or any(s.is_first for s in self.stages)    # a V: both ends on rank 0
         self.last_stage = args.pp == 1 or any(s.is_last for s in self.stages)
         if self.stages:
             self.schedule = self._schedule(args.pp_schedule, args.accum)
@@ -308,9 +329,9 @@ class Built:
         self.autocast = self.dtype != torch.float32 and not self.fsdp
         self.optimizer, self.scheduler = build_optimizer(self.model, args)
         self.data_paths = [Path(p) for p in args.data] if args.data else default_data()
-        self.local_batch = args.batch // self.dp             # per step; a micro-batch is this / accum
+        self.local_batch = args.batch // self.data_dp        # per step; a micro-batch is this / accum
         micro = self.local_batch if args.pp > 1 else self.local_batch // args.accum
-        self.loader = data.train_loader(self.data_paths, args.seq_len, micro, self.dp_rank, self.dp,
+        self.loader = data.train_loader(self.data_paths, args.seq_len, micro, self.data_rank, self.data_dp,
                                         args.batch, args.seed)
         self.batches = None        # iter(loader) at the first step: after a checkpoint has set its position
         self.state = ckpt.TrainState(self.train_model, self.optimizer, self.scheduler, self.loader)
@@ -324,6 +345,8 @@ class Built:
         if self.batches is None:
             self.batches = iter(self.loader)
         x, y = next(self.batches)
+        if self.cp_mesh is not None:           # this rank's two chunks of each sequence
+            x, y = cp_shard(x, self.cp_mesh), cp_shard(y, self.cp_mesh)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
@@ -354,29 +377,46 @@ def layout_name(args) -> str:
         parts.append(f"DDP {args.dp_replicate}")
     if args.tp > 1:
         parts.append(f"TP {args.tp}")
+    if args.cp > 1:                                  # its ranks are some of the data-parallel ones
+        parts[-1] += f" (CP {args.cp} among them)"
     return " x ".join(parts) or "one process"
 
 
+def context_parallel_mesh(args, device_type: str):
+    """The mesh of this rank's context-parallel peers, or None without --cp: cp consecutive ranks of each dp_shard
+    group (torchtitan's dp_shard_cp). FSDP2 still shards over all of dp_shard, so its gradient average includes
+    the peers' partial gradients, each over its part of the same sequences."""
+    if args.cp == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (args.pp, args.dp_replicate, args.dp_shard // args.cp, args.cp, args.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_data", "cp", "tp"))["cp"]
+
+
 def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype, chunks: int = 1,
-                style: str = "loop"):
+                style: str = "loop", cp_mesh=None):
     """The model made parallel by the layout, in torchtitan's order: built on the meta device, cut into this rank's
     pipeline stage, tensor parallel, activation checkpointing, compiled, sharded by FSDP2; then to_empty and
     init_weights make this rank's pieces real (or --init-from's weights, each rank reading only the tensors its
     pieces come from). A schedule with `chunks` stages per rank gets one model per stage, each cut from its own
     copy (placed as `style` says). Returns (this rank's models, one per stage; the model the optimizer and the
     checkpoint see: the one, or a StagesView of the several; the module the step calls: DDP's or the model)."""
-    parts = [build_part(args, cfg, mesh, device, dtype, chunk, chunks, style) for chunk in range(chunks)]
+    parts = [build_part(args, cfg, mesh, device, dtype, chunk, chunks, style, cp_mesh) for chunk in range(chunks)]
     model = parts[0] if chunks == 1 else StagesView(parts)
     return parts, model, par.apply_ddp(model, mesh["dp_replicate"], device) if uses_ddp(args) else model
 
 
 def build_part(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype, chunk: int = 0,
-               chunks: int = 1, style: str = "loop"):
-    """build_model's model, or with a pipeline the stage `chunk` of this rank's `chunks`."""
+               chunks: int = 1, style: str = "loop", cp_mesh=None):
+    """build_model's model, or with a pipeline the stage `chunk` of this rank's `chunks`; with `cp_mesh`, its
+    attention a ring over the context-parallel ranks."""
     with torch.device("meta"):                    # no memory yet: each rank materializes only its pieces
         model = GPT(cfg)
     if args.pp > 1:
         model = pipeline_split(model, mesh["pp"], chunk, chunks, style)
+    if cp_mesh is not None:
+        apply_cp(model, cp_mesh)
     if args.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=True)
     apply_ac(model, args.ac)
@@ -505,7 +545,9 @@ class Trainer(Stepper):
         total = torch.zeros((), device=self.device)
         count = 0
         for x, y in data.eval_batches(self.data_paths, args.seq_len, max(1, self.local_batch // args.accum),
-                                      self.dp_rank, self.dp, args.eval_windows):
+                                      self.data_rank, self.data_dp, args.eval_windows):
+            if self.cp_mesh is not None:
+                x, y = cp_shard(x, self.cp_mesh), cp_shard(y, self.cp_mesh)
             x, y = x.to(self.device), y.to(self.device)
             if self.stages:
                 total += self._pipeline_eval(x, y) * len(x)
