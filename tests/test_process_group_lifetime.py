@@ -5,8 +5,8 @@ died of SIGABRT, "terminate called after throwing an instance of 'std::system_er
 A comm hook's future callbacks hold the process group; gloo runs them, and frees them, on one of its worker threads,
 a little after the step that waited on them. When the main thread had meanwhile called destroy_process_group() and
 dropped its own references, the callback held the last one, and the group's destructor ran on that worker thread,
-where it joins every worker thread: itself. scripts/train/distributed.py (notebook 02's cells) keeps every group it
-joined referenced until the process ends (GROUPS_JOINED), so the destructor never runs there.
+where it joins every worker thread: itself. scripts/train/distributed.py (notebook 02's cells) keeps the group it
+joined last referenced until it joins the next one or ends (GROUPS_JOINED), so the destructor never runs there.
 
 The race is made certain here: the callback's closure also holds an object whose __del__ sleeps, so the main thread
 has long destroyed the group when the worker thread lets go of it. With the module's reference the run ends cleanly;
@@ -73,3 +73,21 @@ def test_without_the_modules_reference_the_same_run_aborts():
     with pytest.raises(WorkerError) as failed:
         launch(run_and_go_on, True, world_size=2, timeout=120, quiet=True)
     assert "SIGABRT" in str(failed.value) and "Resource deadlock avoided" in str(failed.value)
+
+
+def join_three_times():
+    """run_distributed three times in one process (a persistent rank, a notebook's pool): each join replaces the
+    group held before (freed then, by this thread: its callbacks long done), so they do not pile up."""
+    import torch.distributed as dist
+
+    import distributed
+
+    def held_is_the_joined_group(device):
+        return len(distributed.GROUPS_JOINED) == 1 and distributed.GROUPS_JOINED[0] is dist.group.WORLD
+
+    return [run_distributed(held_is_the_joined_group) for _ in range(3)] + [len(distributed.GROUPS_JOINED)]
+
+
+@pytest.mark.timeout(180)
+def test_a_process_that_joins_again_holds_only_its_last_group():
+    assert launch(join_three_times, world_size=2, timeout=120, quiet=True) == [[True, True, True, 1]] * 2

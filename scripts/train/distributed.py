@@ -14,12 +14,13 @@ import os
 import torch
 import torch.distributed as dist
 
-# Every group this process joined, referenced until the process ends, also after destroy_process_group(). A comm
-# hook's future callbacks (PowerSGD's, the fp16 hook's) hold the group and are freed on gloo's own worker thread,
-# some time after the step that used them. If theirs were the last reference, the group would be destroyed on that
-# thread, which then joins itself: "terminate called after throwing an instance of 'std::system_error' / Resource
-# deadlock avoided", SIGABRT at the end of a finished run (notebook 02b's PowerSGD run hit it on a busy machine;
-# tests/test_process_group_lifetime.py makes it happen every time). Held here, the group is freed by this thread.
+# The group this process joined last, referenced until it joins the next one or ends, also after
+# destroy_process_group(). A comm hook's future callbacks (PowerSGD's, the fp16 hook's) hold the group and are freed
+# on gloo's own worker thread, some time after the step that used them. If theirs were the last reference, the group
+# would be destroyed on that thread, which then joins itself: "terminate called after throwing an instance of
+# 'std::system_error' / Resource deadlock avoided", SIGABRT at the end of a finished run (notebook 02b's PowerSGD run
+# hit it on a busy machine; tests/test_process_group_lifetime.py makes it happen every time). Held here, the group
+# is freed by this thread: at the next init_distributed (its callbacks long done) or at exit.
 GROUPS_JOINED: list = []
 
 
@@ -46,7 +47,7 @@ def init_distributed() -> torch.device:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    GROUPS_JOINED.append(dist.group.WORLD)
+    GROUPS_JOINED[:] = [dist.group.WORLD]
     return device
 
 
