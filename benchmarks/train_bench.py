@@ -71,12 +71,15 @@ def plain_loop(args, timed) -> None:
 
     import data
     import train
-    from ac import apply_compile
+    from ac import apply_ac, apply_compile
     from model import GPT, cross_entropy
 
+    if args.accum != 1:
+        raise ValueError(f"the plain loop takes one micro-batch a step: leave --accum {args.accum} out of --extra")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     with torch.device("meta"):
         model = GPT(args.model_config)
+    apply_ac(model, args.ac)                     # --extra '--ac ...' checkpoints the plain loop's blocks too
     if args.compile:
         apply_compile(model)
     model.to_empty(device=device)

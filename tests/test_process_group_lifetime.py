@@ -8,13 +8,15 @@ dropped its own references, the callback held the last one, and the group's dest
 where it joins every worker thread: itself. scripts/train/distributed.py (notebook 02's cells) keeps the group it
 joined last referenced until it joins the next one or ends (GROUPS_JOINED), so the destructor never runs there.
 
-The race is made certain here: the callback's closure also holds an object whose __del__ sleeps, so the main thread
-has long destroyed the group when the worker thread lets go of it. With the module's reference the run ends cleanly;
-with the reference taken away (the code before the fix), the same run aborts with CI's message: the test can fail.
+The race is made certain here: the callback's closure holds the group through an object whose __del__, on the
+worker thread, waits until the main thread has destroyed the process group before letting go of it. With the
+module's reference the run ends cleanly; with the reference taken away (the code before the fix), the same run
+aborts with CI's message: the test can fail.
 """
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import pytest
@@ -29,15 +31,29 @@ if str(SCRIPTS / "train") not in sys.path:  # the recipe's modules, imported by 
 from distributed import run_distributed  # noqa: E402
 
 
-class SlowToFree:
-    """Freed on gloo's worker thread when the callback's closure goes; sleeping there lets the main thread run on."""
+RELEASED = threading.Event()   # set in a rank once the callback's hold on the group is gone
+
+
+class HoldsTheGroup:
+    """What a comm hook's callback holds: the process group. Freed on gloo's worker thread with the callback, it lets
+    go of the group only once the main thread has destroyed the process group (a condition, not a delay): then its
+    reference is the group's last unless something else holds it."""
+
+    def __init__(self, group):
+        self.group = group
 
     def __del__(self):
-        time.sleep(0.5)
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + 60
+        while dist.is_initialized() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.group = None        # the last reference, without the module's: the group is destroyed on this thread
+        RELEASED.set()
 
 
 def callback_holds_the_group_longest(device, drop_module_reference: bool):
-    """One all-reduce whose future callback (as a comm hook's) holds the group and a SlowToFree; returns the sum."""
+    """One all-reduce whose future callback (as a comm hook's) holds the group; returns the sum."""
     import torch
     import torch.distributed as dist
 
@@ -45,20 +61,19 @@ def callback_holds_the_group_longest(device, drop_module_reference: bool):
 
     if drop_module_reference:  # the code before the fix: nothing but the callback outlives destroy_process_group()
         distributed.GROUPS_JOINED.clear()
-    group, slow = dist.group.WORLD, SlowToFree()
+    holder = HoldsTheGroup(dist.group.WORLD)
     values = torch.ones(4)
-    done = dist.all_reduce(values, async_op=True, group=group).get_future().then(
-        lambda fut, group=group, slow=slow: fut.value())
-    del group, slow
+    done = dist.all_reduce(values, async_op=True).get_future().then(lambda fut, holder=holder: fut.value())
+    del holder
     done.wait()
     return values.sum().item()
 
 
 def run_and_go_on(drop_module_reference: bool):
-    """run_distributed, then a second more of this process's life (a script's next lines, the launcher writing the
-    result): the time in which the worker thread lets go of the group."""
+    """run_distributed, then this process goes on (a script's next lines, the launcher writing the result) until the
+    worker thread has let go of the group."""
     total = run_distributed(callback_holds_the_group_longest, drop_module_reference)
-    time.sleep(1.0)
+    assert RELEASED.wait(60), "the callback was never freed"
     return total
 
 

@@ -266,12 +266,15 @@ def test_two_stages_per_rank_save_the_whole_models_checkpoint(runs, workspace):
     torch.testing.assert_close(staged, whole, rtol=1e-5, atol=1e-6)
 
 
-def test_the_recipes_selftest_passes_from_a_copy_of_the_folder(runs):
-    """selftest.py, run from the copy as a copier runs it: every check it makes holds (its runs are read below)."""
+def test_the_recipes_selftest_passes_from_a_copy_of_the_folder(runs, workspace):
+    """selftest.py, run from the copy as a copier runs it: every check it makes holds (its runs are read below), and
+    it printed one line for each check its `checks` makes of those runs."""
+    root, _ = workspace
     result = runs["selftest"]
     _assert_clean(result, "selftest.py")
     checks = [line for line in result.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
-    assert len(checks) >= 10 and all(line.startswith("ok") for line in checks), result.stdout
+    made = selftest.checks({job.name: runs[job.name] for job in selftest.jobs()}, root / "st")
+    assert len(checks) == len(made) and all(line.startswith("ok") for line in checks), result.stdout
     assert "checks hold" in result.stdout.splitlines()[-1]
 
 
@@ -343,6 +346,19 @@ def test_a_checkpoint_of_fsdp_loads_into_a_pipeline_and_trains_on_alike(runs):
     for step in (3, 4):
         assert math.isclose(resharded.losses()[step], source.losses()[step], rel_tol=LOSS_RTOL)
     assert math.isclose(resharded.final_eval(), source.final_eval(), rel_tol=LOSS_RTOL)
+
+
+def test_flags_from_a_config_file_under_the_command_lines(workspace, monkeypatch):
+    """--config FILE: its values (tp.json: tp 2, selective checkpointing), with the command line's flags above them."""
+    root, _ = workspace
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    import train
+
+    args = train.parse_args(["--config", "tp.json", "--ac", "full"])
+    assert (args.tp, args.ac, args.dp_shard) == (2, "full", 1)
+    assert train.parse_args(["--config", "tp.json"]).ac == "selective"
 
 
 def test_a_bad_flag_is_one_line_and_status_2(runs):

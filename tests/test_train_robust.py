@@ -199,8 +199,8 @@ def _initialise_at_two_layouts():
 
 @pytest.mark.timeout(180)
 def test_each_rank_draws_only_the_rows_it_holds_and_every_layout_gets_the_same_weights():
-    """init_weights used to draw every parameter whole on every rank (then keep a piece): about 5 s per billion
-    parameters per rank here, the whole model on every rank. Now a rank draws the 64-row blocks its piece lies in."""
+    """init_weights used to draw every parameter whole on every rank (then keep a piece): the whole model's draws on
+    every rank. Now a rank draws the 64-row blocks its piece lies in."""
     from helpers.launcher import launch
 
     ranks = launch(_initialise_at_two_layouts, world_size=2, timeout=150, env={"CUDA_VISIBLE_DEVICES": ""})

@@ -8,6 +8,7 @@ every script, notebook and the recipe share.
     device = init_distributed()         # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT from torchrun
     run_distributed(train, args)        # init, train(device, args), free everything, destroy the group
 """
+import atexit
 import gc
 import os
 
@@ -20,8 +21,10 @@ import torch.distributed as dist
 # would be destroyed on that thread, which then joins itself: "terminate called after throwing an instance of
 # 'std::system_error' / Resource deadlock avoided", SIGABRT at the end of a finished run (notebook 02b's PowerSGD run
 # hit it on a busy machine; tests/test_process_group_lifetime.py makes it happen every time). Held here, the group
-# is freed by this thread: at the next init_distributed (its callbacks long done) or at exit.
+# is freed by this thread, its callbacks long done: at the next init_distributed, or by the atexit hook while the
+# interpreter is still whole (a group left for the interpreter's own teardown can abort there too).
 GROUPS_JOINED: list = []
+atexit.register(GROUPS_JOINED.clear)
 
 
 def uses_gpu() -> bool:

@@ -190,8 +190,9 @@ INIT_ROWS = 64     # rows drawn from one generator: the unit a rank draws whole,
 def fill_normal(param: torch.Tensor, std: float, seed: int) -> None:
     """normal(0, std) into a parameter, the same numbers whatever piece of it this rank holds: the rows are drawn
     in blocks of INIT_ROWS, block b from a generator seeded by (seed, b), so a rank draws only the blocks its rows
-    fall in, at full width, and keeps its piece; a sharded parameter costs a rank its share, not the whole tensor
-    (scripts/train/README.md: the cost measured). A DTensor names its piece by offsets and sizes, as it does for
+    fall in, at full width, and keeps its piece: a piece cut along the rows (FSDP2's Shard(0), tensor parallel's
+    column-wise) costs a rank its share, one cut along the columns (row-wise Shard(1)) every row of the tensor
+    (tests/test_train_robust.py counts what each rank draws). A DTensor names its piece by offsets and sizes, as it does for
     DCP (`__create_chunk_list__`)."""
     from torch.distributed.tensor import DTensor
 

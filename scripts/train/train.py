@@ -226,15 +226,15 @@ def check_context_parallel(cp: int, dp_shard: int, tp: int, pp: int, seq_len: in
 
 def check_schedule(name: str, pp: int, accum: int, n_layers: int, compiled: bool) -> None:
     """What torch's schedule would refuse on every rank after the process group exists, said here in one line:
-    1F1B needs a micro-batch per stage; the interleaved schedules run in rounds of pp micro-batches; every stage
+    1F1B needs a micro-batch per stage; the interleaved schedules split theirs into accum // pp rounds; every stage
     holds a block at least; the zero-bubble schedules split each backward in two, which torch refuses on
     compiled blocks; ZBV cannot run forward only, which the evaluation needs (notebook 08b trains with it)."""
     chunks, _ = SCHEDULE_STAGES[name]
     if name == "1f1b" and accum < pp:
         raise ValueError(f"the 1f1b schedule needs --accum (micro-batches) >= --pp {pp}, got {accum}")
     if name.startswith("interleaved") and accum % max(1, accum // pp):
-        raise ValueError(f"the {name} schedule runs rounds of --pp {pp} micro-batches: --accum {accum} is not a "
-                         f"multiple of its {max(1, accum // pp)} rounds")
+        raise ValueError(f"the {name} schedule splits its micro-batches into accum // pp rounds (torch's rule): "
+                         f"--accum {accum} is not a multiple of its {max(1, accum // pp)} rounds")
     if n_layers < pp * chunks:
         raise ValueError(f"the {name} schedule places {pp * chunks} stages ({chunks} per rank): it needs as many "
                          f"layers, not {n_layers}")
@@ -311,7 +311,7 @@ class Built:
         self.dp_rank, self.dp = par.dp_rank_and_size(self.mesh)
         self.cp_mesh = context_parallel_mesh(args, device.type)
         self.data_rank, self.data_dp = self.dp_rank // args.cp, self.dp // args.cp   # cp peers read one batch
-        self.tp_rank, self.pp_rank = self.mesh.get_local_rank("tp"), self.mesh.get_local_rank("pp")
+        self.tp_rank = self.mesh.get_local_rank("tp")
         self.dtype = DTYPES[args.dtype]
         self.fsdp = uses_fsdp(args)
         self.ddp = uses_ddp(args)
@@ -344,10 +344,7 @@ class Built:
     def _next(self):
         if self.batches is None:
             self.batches = iter(self.loader)
-        x, y = next(self.batches)
-        if self.cp_mesh is not None:           # this rank's two chunks of each sequence
-            x, y = cp_shard(x, self.cp_mesh), cp_shard(y, self.cp_mesh)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return this_ranks_tokens(*next(self.batches), self.cp_mesh, self.device)
 
 
 def layout(args) -> Layout:
@@ -392,6 +389,13 @@ def context_parallel_mesh(args, device_type: str):
 
     shape = (args.pp, args.dp_replicate, args.dp_shard // args.cp, args.cp, args.tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_data", "cp", "tp"))["cp"]
+
+
+def this_ranks_tokens(x, y, cp_mesh, device: torch.device):
+    """A batch's inputs and targets as this rank computes on them: with --cp its two chunks of each sequence."""
+    if cp_mesh is not None:
+        x, y = cp_shard(x, cp_mesh), cp_shard(y, cp_mesh)
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype, chunks: int = 1,
@@ -546,9 +550,7 @@ class Trainer(Stepper):
         count = 0
         for x, y in data.eval_batches(self.data_paths, args.seq_len, max(1, self.local_batch // args.accum),
                                       self.data_rank, self.data_dp, args.eval_windows):
-            if self.cp_mesh is not None:
-                x, y = cp_shard(x, self.cp_mesh), cp_shard(y, self.cp_mesh)
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = this_ranks_tokens(x, y, self.cp_mesh, self.device)
             if self.stages:
                 total += self._pipeline_eval(x, y) * len(x)
             else:
