@@ -28,7 +28,9 @@ Conventions:
 - a step is `grad_accum` micro-batches of `batch_size` sequences of `seq_len` tokens on every data-parallel rank,
   run as the recipe (train.py, parallelize.py) runs it: FSDP2 reshards after forward and reduces every
   micro-batch, DDP reduces once per step, tensor parallelism is sequence-parallel with a parallel loss, a
-  pipeline runs 1F1B with its stage's FSDP2 parameters gathered through the step;
+  pipeline runs 1F1B with its stage's FSDP2 parameters gathered through the step; `Training` also carries the
+  recipe's --cp (cp of the dp_shard ranks split each sequence and read one batch) and --moe-experts, --moe-top-k,
+  --ep (every feed-forward a mixture of experts, the experts sharded over ep of the dp_shard ranks);
 - what a run measured shaped the terms: notebook 10 holds each against the recipe on CPU ranks (and a GPU's
   allocator where there is one) and against torchtitan's published runs, tests/test_plan.py against hand-worked
   cases, published formulas and the same published runs.
@@ -58,7 +60,8 @@ GB, GIB = 1e9, 2 ** 30
 class Training:
     """What one optimizer step does on every data-parallel rank, and how. `compile`: each block torch.compile'd
     (the recipe's default on GPUs); `fused_rms_norm`: CUDA's rms_norm is one kernel, torch 2.13's CPU path composes
-    it (see `layer_activations`)."""
+    it (see `layer_activations`). The recipe's --cp, --moe-experts, --moe-top-k and --ep are here, not in the
+    Layout: their ranks are some of dp_shard's, and Layout keeps the mesh's four dimensions (config.py)."""
 
     seq_len: int = 1024
     batch_size: int = 8          # sequences per micro-batch per data-parallel rank
@@ -68,8 +71,20 @@ class Training:
     checkpointing: str = "none"
     fused_rms_norm: bool = True
     compile: bool = False
+    cp: int = 1                  # each sequence split over cp ranks (ring attention); batch_size is then per cp group
+    moe_experts: int = 0         # every feed-forward an MoE of this many SwiGLU experts (0: dense)
+    moe_top_k: int = 2           # experts per token
+    ep: int = 1                  # the experts sharded over ep consecutive dp_shard ranks
 
     def __post_init__(self):
+        if min(self.cp, self.ep, self.moe_top_k) < 1 or self.moe_experts < 0:
+            raise ValueError(f"cp {self.cp}, ep {self.ep} and moe_top_k {self.moe_top_k} must be at least 1, "
+                             f"moe_experts {self.moe_experts} at least 0")
+        if self.moe_experts and (self.moe_top_k > self.moe_experts or self.moe_experts % self.ep):
+            raise ValueError(f"moe_top_k {self.moe_top_k} must be at most moe_experts {self.moe_experts}, and ep "
+                             f"{self.ep} must divide them")
+        if self.ep > 1 and not self.moe_experts:
+            raise ValueError(f"ep {self.ep} shards experts: give moe_experts")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, not {self.optimizer!r}")
         if self.precision not in PRECISIONS:
@@ -170,15 +185,19 @@ def gpu_rates(gpu: GPU, dtype: str = "bf16", matmul: float | None = None) -> Rat
 
 # ----------------------------------------------------------------------------------------------- the parameters
 
-def _block_shapes(cfg: GPTConfig, i: int) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """Block i's parameters: (name, shape, tensor-parallel shard dim or None)."""
-    d, h, hd, p = cfg.dim, cfg.hidden, cfg.head_dim, f"layers.{i}."
+def _block_shapes(cfg: GPTConfig, i: int, experts: int = 0) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """Block i's parameters: (name, shape, tensor-parallel shard dim or None); with `experts`, moe.py's MoE in place
+    of the feed-forward: a router Linear(dim, experts), each of w1, w3, w2 stacked (experts, out, in)."""
+    d, h, hd, p, e = cfg.dim, cfg.hidden, cfg.head_dim, f"layers.{i}.", experts
     q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    ffn = [(p + "feed_forward.w1.weight", (h, d), 0), (p + "feed_forward.w3.weight", (h, d), 0),
+           (p + "feed_forward.w2.weight", (d, h), 1)] if not e else \
+        [(p + "feed_forward.router.weight", (e, d), None), (p + "feed_forward.experts.w1.weight", (e, h, d), None),
+         (p + "feed_forward.experts.w3.weight", (e, h, d), None), (p + "feed_forward.experts.w2.weight", (e, d, h), None)]
     return [(p + "attention_norm.weight", (d,), None),
             (p + "attention.wq.weight", (q, d), 0), (p + "attention.wk.weight", (kv, d), 0),
             (p + "attention.wv.weight", (kv, d), 0), (p + "attention.wo.weight", (d, q), 1),
-            (p + "ffn_norm.weight", (d,), None), (p + "feed_forward.w1.weight", (h, d), 0),
-            (p + "feed_forward.w3.weight", (h, d), 0), (p + "feed_forward.w2.weight", (d, h), 1)]
+            (p + "ffn_norm.weight", (d,), None)] + ffn
 
 
 def _ends(cfg: GPTConfig) -> tuple[list, list]:
@@ -189,19 +208,20 @@ def _ends(cfg: GPTConfig) -> tuple[list, list]:
         [("norm.weight", (d,), None)] + ([] if cfg.tie_embeddings else [("output.weight", (v, d), 0)])
 
 
-def parameter_shapes(cfg: GPTConfig) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """(name, shape, tensor-parallel shard dim or None) of every parameter, in the model's order.
+def parameter_shapes(cfg: GPTConfig, experts: int = 0) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(name, shape, tensor-parallel shard dim or None) of every parameter, in the model's order (`experts`: MoE
+    feed-forwards, `_block_shapes`).
 
     The tp dims are the recipe's plan (tp.apply_tp): the embedding row-wise over the vocabulary, wq/wk/wv/w1/w3 and
     the output column-wise (their weight's dim 0), wo/w2 row-wise (dim 1), norms replicated.
     """
     first, last = _ends(cfg)
-    return first + [s for i in range(cfg.n_layers) for s in _block_shapes(cfg, i)] + last
+    return first + [s for i in range(cfg.n_layers) for s in _block_shapes(cfg, i, experts)] + last
 
 
-def parameter_count(cfg: GPTConfig) -> int:
-    """Every parameter, summed from the shapes (config.GPTConfig.num_params gives the same by formula)."""
-    return sum(math.prod(shape) for _, shape, _ in parameter_shapes(cfg))
+def parameter_count(cfg: GPTConfig, experts: int = 0) -> int:
+    """Every parameter, summed from the shapes (config.GPTConfig.num_params gives the same by formula, dense)."""
+    return sum(math.prod(shape) for _, shape, _ in parameter_shapes(cfg, experts))
 
 
 def count_parameters(build_model) -> int:
@@ -232,7 +252,7 @@ def layout_name(layout: Layout) -> str:
     return f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp} pp={layout.pp}"
 
 
-def stage_groups(cfg: GPTConfig, layout: Layout, stage: int) -> list[tuple[str, list, int]]:
+def stage_groups(cfg: GPTConfig, layout: Layout, stage: int, experts: int = 0) -> list[tuple[str, list, int]]:
     """Pipeline stage `stage`'s parameters as FSDP2 groups the recipe makes (`fully_shard` per block, the rest in
     the root): (name, its parameters, how many alike), the blocks (config.stage_layers, torchtitan's uneven split)
     as one template counted, then the root (the embedding on the first stage, the final norm and output on the
@@ -240,13 +260,13 @@ def stage_groups(cfg: GPTConfig, layout: Layout, stage: int) -> list[tuple[str, 
     blocks = stage_layers(cfg.n_layers, layout.pp, stage)
     first, last = _ends(cfg)
     root = (first if stage == 0 else []) + (last if stage == layout.pp - 1 else [])
-    groups = [("layers", _block_shapes(cfg, blocks[0]), len(blocks))] if len(blocks) else []
+    groups = [("layers", _block_shapes(cfg, blocks[0], experts), len(blocks))] if len(blocks) else []
     return groups + ([("root", root, 1)] if root else [])
 
 
 def stage_parameters(cfg: GPTConfig, layout: Layout, stage: int) -> list[tuple[str, tuple[int, ...], int | None]]:
     """The parameters of pipeline stage `stage`: the embedding on the first, its blocks, the final norm and output
-    on the last."""
+    on the last (dense: MoE is not pipelined)."""
     first, last = _ends(cfg)
     return ((first if stage == 0 else []) + [s for i in stage_layers(cfg.n_layers, layout.pp, stage)
                                              for s in _block_shapes(cfg, i)] + (last if stage == layout.pp - 1 else []))
@@ -290,22 +310,26 @@ def model_state(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> d
     Under tensor parallelism without FSDP2 the row-wise embedding's gradient comes back whole on every tp rank
     (DTensor's embedding backward; measured in notebook 10), twice its sharded size at tp = 2; FSDP2's
     reduce-scatter returns it sharded. Buffers (the rotary tables) are not model state: see `rope_tables_bytes`.
+    Under expert parallelism (`Training.ep` > 1) each rank holds its experts whole, outside FSDP2 (`expert_elements`).
     """
     c = coordinates(layout, rank)
     b = _dtype_bytes(train.precision)
     shard = layout.dp_shard if layout.fsdp else 1
-    held = padded = whole_grads = 0
-    for _, params, count in stage_groups(cfg, layout, c["pp"]):
+    held = padded = whole_grads = experts = 0
+    for _, params, count in stage_groups(cfg, layout, c["pp"], train.moe_experts):
         for name, shape, tp_dim in params:
             local = tp_local_shape(shape, tp_dim, layout.tp, c["tp"])
             rest = math.prod(local[1:])
+            if train.ep > 1 and ".experts." in name:          # Shard(0) over ep: E / ep experts, no FSDP2
+                experts += count * local[0] // train.ep * rest
+                continue
             held += count * _chunk(local[0], shard, c["dp_shard"]) * rest
             padded += count * -(-local[0] // shard) * rest
             if layout.tp > 1 and not layout.fsdp and name.startswith("tok_embeddings"):
                 whole_grads += math.prod(shape) - math.prod(local)
-    states = OPTIMIZERS[train.optimizer]
+    states, held, padded = OPTIMIZERS[train.optimizer], held + experts, padded + experts
     return {
-        "elements": held, "padded_elements": padded,
+        "elements": held, "padded_elements": padded, "expert_elements": experts,
         "held": {"parameters": held * b["param"], "gradients": (held + whole_grads) * b["grad"],
                  "optimizer": held * 4 * states},
         "allocated": {"parameters": padded * b["param"], "gradients": (padded + whole_grads) * b["grad"],
@@ -340,10 +364,11 @@ def layer_activations(cfg: GPTConfig, train: Training, tp: int) -> dict[str, flo
     is cast to bf16 once per projection it feeds (autocast caches casts of weights, not of activations): three
     copies for wq, wk, wv and two for w1, w3. RMSNorm: on CUDA `rms_norm` is one fused kernel that keeps its input
     and one fp32 rstd per row; torch 2.13 on the CPU composes it of pow, mean, rsqrt and mul on an fp32 copy of its
-    input, and keeps that copy and x * rstd, both fp32 (`Training.fused_rms_norm=False`).
+    input, and keeps that copy and x * rstd, both fp32 (`Training.fused_rms_norm=False`). Context parallelism
+    and experts change the attention's and the feed-forward's terms (`ring_activations`, `moe_activations`).
     """
     b = _dtype_bytes(train.precision)
-    n = train.batch_size * train.seq_len                 # tokens of one micro-batch
+    n = rank_tokens(train)                               # tokens of one micro-batch on this rank
     d, hidden, heads, mat = cfg.dim, cfg.hidden, cfg.n_heads, b["matmul"]
     autocast = train.precision == "bf16-autocast"
     norm_in = b["residual"] if train.fused_rms_norm else 4     # the composite upcasts its input to fp32 first
@@ -359,6 +384,11 @@ def layer_activations(cfg: GPTConfig, train: Training, tp: int) -> dict[str, flo
     }
     if not train.fused_rms_norm:
         terms["norm x * rstd (composite RMSNorm, fp32)"] = 2 * n * d * 4 / tp
+    if train.cp > 1:
+        terms.update(ring_activations(cfg, train))
+    if train.moe_experts:                                # the router's input in place of w1's and w3's
+        terms["feed-forward input, gathered (w1, w3)"] = n * d * mat
+        terms.update(moe_activations(cfg, train))
     return terms
 
 
@@ -367,7 +397,7 @@ def head_activations(cfg: GPTConfig, train: Training, tp: int) -> dict[str, floa
     projection's (gathered) input, the loss's fp32 log-probabilities over the vocabulary (split by tp under loss
     parallelism) and its int64 targets."""
     b = _dtype_bytes(train.precision)
-    n = train.batch_size * train.seq_len
+    n = rank_tokens(train)
     d, v = cfg.dim, cfg.vocab_size
     norm = (n * d * b["residual"] if train.fused_rms_norm else 2 * n * d * 4) / tp
     return {
@@ -380,17 +410,22 @@ def head_activations(cfg: GPTConfig, train: Training, tp: int) -> dict[str, floa
 
 def embedding_activations(train: Training) -> dict[str, float]:
     """The token ids the embedding keeps for its backward (int64); Llama has no position embedding."""
-    return {"token ids": train.batch_size * train.seq_len * 8}
+    return {"token ids": rank_tokens(train) * 8}
 
 
 def rope_activations(cfg: GPTConfig, train: Training, layout: Layout) -> dict[str, float]:
     """What the rotation's cos and sin cost per block and micro-batch: nothing new where the blocks take slices of
     the root's float32 buffers (autograd keeps the buffers' storage, `rope_tables_bytes`, already held); under
     FSDP2's bf16 policy every block's forward casts its floating-point inputs to bf16 (`cast_forward_inputs`), so
-    each block keeps its own bf16 copies of the two slices (seq_len x head_dim / 2 each)."""
-    if train.precision != "bf16-fsdp":
-        return {"per block": 0.0, "buffers saved": float(rope_tables_bytes(cfg))}
-    return {"per block": 2 * train.seq_len * (cfg.head_dim // 2) * 2.0, "buffers saved": 0.0}
+    each block keeps its own bf16 copies of the two slices (seq_len x head_dim / 2 each). Under cp, apply_cp
+    gathers the tables at this rank's positions for each forward: the blocks keep that float32 copy ("per
+    forward", seq_len / cp rows) instead of the buffers, or under FSDP2's policy their bf16 copies of it."""
+    rows = train.seq_len // train.cp
+    if train.precision == "bf16-fsdp":
+        return {"per block": 2 * rows * (cfg.head_dim // 2) * 2.0, "per forward": 0.0, "buffers saved": 0.0}
+    if train.cp > 1:
+        return {"per block": 0.0, "per forward": 2 * rows * (cfg.head_dim // 2) * 4.0, "buffers saved": 0.0}
+    return {"per block": 0.0, "per forward": 0.0, "buffers saved": float(rope_tables_bytes(cfg))}
 
 
 def in_flight_microbatches(layout: Layout, train: Training, stage: int, schedule: str = "1f1b") -> int:
@@ -414,25 +449,96 @@ def selective_block(cfg: GPTConfig, train: Training, tp: int) -> dict[str, float
     w2's, sequence-split). Row-wise projections (wo, w2) output a partial sum over the whole sequence before their
     reduce-scatter, so under tp their outputs do not shrink. Eager checkpointing keeps what its policy names even
     where no backward reads it (wo's and w2's outputs feed only the residual adds); torch.compile's partitioner keeps
-    only what the backward needs, so a compiled block leaves those out (`Training.compile`).
+    only what the backward needs, so a compiled block leaves those out (`Training.compile`). Under cp the ring's
+    bmm outputs are kept in place of attention's (`ring_score_blocks`); an MoE keeps its router's logits, and its
+    experts' w1, w3 and w2 outputs per routed row.
     """
     b = _dtype_bytes(train.precision)
-    n = train.batch_size * train.seq_len
+    n = rank_tokens(train)
+    rows = moe_rows(train) if train.moe_experts else n            # the feed-forward's matmul rows
     d, hidden, kv, mat = cfg.dim, cfg.hidden, cfg.n_kv_heads * cfg.head_dim, b["matmul"]
     titan = train.checkpointing == TORCHTITAN_SELECTIVE
+    attention = ring_score_blocks(cfg, train) if train.cp > 1 else n * d * mat / tp + n * cfg.n_heads * 4 / tp
     terms = {"block input": n * d * b["residual"] / tp,
              "wq output": n * d * mat / tp,
              "wk output": 0.0 if titan else n * kv * mat / tp,
              "wv output": n * kv * mat / tp,
-             "attention output and log-sum-exp": n * d * mat / tp + n * cfg.n_heads * 4 / tp,
-             "w1 output": n * hidden * mat / tp,
-             "w3 output": 0.0 if titan else n * hidden * mat / tp}
-    unread = {"wo output (partial sum)": 0.0 if titan else n * d * mat, "w2 output (partial sum)": n * d * mat}
+             "attention output and log-sum-exp": attention,
+             "router logits": n * train.moe_experts * mat,
+             "w1 output": rows * hidden * mat / tp,
+             "w3 output": 0.0 if titan else rows * hidden * mat / tp}
+    unread = {"wo output (partial sum)": 0.0 if titan else n * d * mat, "w2 output (partial sum)": rows * d * mat}
     if titan and tp > 1:
         unread["wo and w2 outputs, reduce-scattered"] = 2 * n * d * mat / tp
     if not train.compile:
         terms.update(unread)
     return {k: v for k, v in terms.items() if v}
+
+
+# ------------------------------------------------------------- context parallelism and experts: what they keep
+
+def rank_tokens(train: Training) -> int:
+    """Tokens of one micro-batch on one rank: batch_size sequences, of which each of the cp ranks holds 1/cp."""
+    return train.batch_size * train.seq_len // train.cp
+
+
+def ring_activations(cfg: GPTConfig, train: Training) -> dict[str, float]:
+    """What cp.py's ring attention keeps in place of SDPA's terms (`layer_activations`), per block and micro-batch:
+    RingAttention saves q, k and v at n_kv_heads heads (it repeats k and v per step, unsaved), its output and its
+    log-sum-exp (in the compute dtype: the ring computes it, not a fused kernel); wo keeps its input beside the
+    output, a copy (the ring's output is laid out by head, and transpose-reshape copies it)."""
+    b, n = _dtype_bytes(train.precision), rank_tokens(train)
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return {"q rotated, k and v repeated": n * (cfg.dim + 2 * kv) * b["matmul"],
+            "attention output": 2 * n * cfg.dim * b["matmul"],
+            "attention log-sum-exp": n * cfg.n_heads * b["residual"]}
+
+
+def ring_score_blocks(cfg: GPTConfig, train: Training) -> float:
+    """Bytes of the ring's batched matmul outputs in one block's forward: per visible (query chunk, key chunk) pair,
+    2 x cp + 1 on every rank (cp.visible_blocks, balanced), the scores (chunk x chunk per head) and the scores x v.
+    The recipe's selective policy saves every bmm output, these included: quadratic in seq_len / cp."""
+    c, mat = train.seq_len // (2 * train.cp), _dtype_bytes(train.precision)["matmul"]
+    return (2 * train.cp + 1) * train.batch_size * cfg.n_heads * c * (c + cfg.head_dim) * mat
+
+
+def moe_rows(train: Training) -> int:
+    """Rows one rank's experts take per block and micro-batch under even routing: its tokens k times each (with
+    ep, the rows it sends away are matched by as many received)."""
+    return rank_tokens(train) * train.moe_top_k
+
+
+def moe_activations(cfg: GPTConfig, train: Training, rows: int | None = None) -> dict[str, float]:
+    """What moe.py's MoE keeps in place of the SwiGLU feed-forward, per block and micro-batch; `rows`: rows this
+    rank's experts received (default `moe_rows`, even routing). The router's fp32 probabilities (softmax keeps its
+    output); top-k's weights, their sum and indices; the (token, choice) order and the token of each routed row
+    (int64, kept by the gathers and index_add_); the chosen weights gathered; each expert's input rows (cast once
+    per w1, w3 under autocast) and its SwiGLU (as the dense one, per row); the experts' outputs and the weighted
+    ones (index_add_ keeps its source); the aux loss's assignment shares. With ep the received rows are regrouped
+    by expert and back (two int64 indices per row); under autocast every expert weight is cast again per forward
+    and kept (w1[e] is a view: autocast caches casts of leaf weights only)."""
+    b, n, e, k, d = _dtype_bytes(train.precision), rank_tokens(train), train.moe_experts, train.moe_top_k, cfg.dim
+    rows = moe_rows(train) if rows is None else rows
+    mat, res, autocast = b["matmul"], b["residual"], train.precision == "bf16-autocast"
+    terms = {"router probabilities (fp32)": n * e * 4,
+             "top-k weights, their sum (fp32), indices": n * k * 4 + n * 4 + n * k * 8,
+             "routing order and token of each row (int64)": 2 * n * k * 8,
+             "chosen weights, by expert": n * k * res,
+             "experts' input rows": (2 if autocast else 1) * rows * d * mat,
+             "SwiGLU: w1 and w3 outputs, silu, product": 4 * rows * cfg.hidden * mat,
+             "experts' outputs, and weighted": n * k * d * (mat + res),
+             "aux loss's assignment shares": e * 4}
+    if train.ep > 1:
+        terms["rows regrouped by expert and back (int64)"] = 2 * rows * 8
+    if autocast:
+        terms["expert weights cast to bf16 (not cached)"] = 3 * e // train.ep * d * cfg.hidden * 2
+    return terms
+
+
+def moe_statistics_bytes(train: Training) -> int:
+    """What each MoE block holds after a forward on the module, not for autograd: tokens_per_expert (int64) and
+    aux_loss (a float32 scalar)."""
+    return train.moe_experts * 8 + 4 if train.moe_experts else 0
 
 
 def checkpointed_blocks(cfg: GPTConfig, train: Training, blocks: list[int]) -> list[int]:
@@ -467,7 +573,7 @@ def activations(cfg: GPTConfig, train: Training, layout: Layout, rank: int, sche
     layer = layer_activations(cfg, train, tp)
     one = sum(layer.values())
     rope = rope_activations(cfg, train, layout)
-    n = train.batch_size * train.seq_len
+    n = rank_tokens(train)
     kept_input = n * cfg.dim * _dtype_bytes(train.precision)["residual"] / tp
     checkpointed = checkpointed_blocks(cfg, train, blocks)
     if train.checkpointing in ("selective", TORCHTITAN_SELECTIVE):
@@ -479,7 +585,7 @@ def activations(cfg: GPTConfig, train: Training, layout: Layout, rank: int, sche
     else:
         per_checkpointed, recompute = kept_input, one
     terms = {"blocks": (len(blocks) - len(checkpointed)) * one + len(checkpointed) * per_checkpointed
-             + len(blocks) * rope["per block"]}
+             + len(blocks) * (rope["per block"] + moe_statistics_bytes(train)) + rope["per forward"]}
     if stage == 0:
         terms["embedding"] = sum(embedding_activations(train).values())
     if stage == layout.pp - 1:
@@ -495,13 +601,15 @@ def activations(cfg: GPTConfig, train: Training, layout: Layout, rank: int, sche
 def autocast_weight_copies(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
     """bf16 copies of the matmul weights that autocast makes in forward and caches until its context exits (2 bytes
     each, the rank's tp shard): {"block": one block's, "head": the output projection's on the last stage}. (The
-    recipe autocasts only where FSDP2 is not applied, so these are whole local weights.)"""
+    recipe autocasts only where FSDP2 is not applied, so these are whole local weights.) An MoE's router is
+    cached; its experts, cast per forward from views, are not (`moe_activations`)."""
     if train.precision != "bf16-autocast":
         return {"block": 0.0, "head": 0.0}
     c = coordinates(layout, rank)
     d, hidden, kv, tp = cfg.dim, cfg.hidden, cfg.n_kv_heads * cfg.head_dim, layout.tp
     head = 2 * cfg.vocab_size * d / tp if c["pp"] == layout.pp - 1 else 0.0
-    return {"block": 2 * (2 * d * d + 2 * d * kv + 3 * d * hidden) / tp, "head": head}
+    ffn = train.moe_experts * d if train.moe_experts else 3 * d * hidden
+    return {"block": 2 * (2 * d * d + 2 * d * kv + ffn) / tp, "head": head}
 
 
 # ------------------------------------------------------------------------------------------ memory a GPU reports
@@ -538,18 +646,21 @@ def memory(cfg: GPTConfig, train: Training, layout: Layout, rank: int, schedule:
       copy for the reduce-scatter;
     - the optimizer step: every gradient, and for AdamW (foreach, the default on GPUs) one fp32 temporary per
       parameter (the square root of the second moment).
+    Under cp a block's backward also holds the ring's buffers (`ring_backward_buffers`); experts under ep are not
+    gathered (each rank holds its own whole).
     """
     c = coordinates(layout, rank)
     last, tp = c["pp"] == layout.pp - 1, layout.tp
     b = _dtype_bytes(train.precision)
     state = model_state(cfg, train, layout, rank)
     act = activations(cfg, train, layout, rank, schedule)
-    n = train.batch_size * train.seq_len
+    n = rank_tokens(train)
     held = {"parameters": state["allocated"]["parameters"], "optimizer": state["allocated"]["optimizer"],
             "rotary tables": rope_tables_bytes(cfg)}
     if layout.ddp:
         held["DDP gradient buckets"] = state["held"]["gradients"]
-    gathered = sum(math.prod(tp_local_shape(s, d, layout.tp, c["tp"])) for _, s, d in _block_shapes(cfg, 0))
+    gathered = sum(math.prod(tp_local_shape(s, d, layout.tp, c["tp"])) for name, s, d in
+                   _block_shapes(cfg, 0, train.moe_experts) if train.ep == 1 or ".experts." not in name)
     if layout.fsdp and layout.pp > 1:
         whole = state["padded_elements"] * layout.dp_shard
         held["FSDP gathered parameters (whole stage)"] = whole * b["gathered"]
@@ -557,7 +668,8 @@ def memory(cfg: GPTConfig, train: Training, layout: Layout, rank: int, schedule:
     grads = state["allocated"]["gradients"] if train.grad_accum > 1 or layout.pp > 1 else 0.0
     logprobs = n * cfg.vocab_size * 4 / tp if last else 0.0
     block = gathered * (2 * b["gathered"] + b["matmul"] + b["reduce"]) if layout.fsdp and layout.pp == 1 else 0.0
-    phases = {"a block's backward": grads + act["kept"] - logprobs + act["recompute"] + block,
+    ring = ring_backward_buffers(cfg, train) if train.cp > 1 else 0.0
+    phases = {"a block's backward": grads + act["kept"] - logprobs + act["recompute"] + block + ring,
               "optimizer step": state["allocated"]["gradients"]
               + (4 * state["elements"] if train.optimizer == "adamw" else 0)}
     if last:
@@ -570,13 +682,15 @@ def memory(cfg: GPTConfig, train: Training, layout: Layout, rank: int, schedule:
 
 # ------------------------------------------------------------------------------------------------ communication
 
-def _group_elements(cfg: GPTConfig, layout: Layout, rank: int) -> list[tuple[int, int]]:
+def _group_elements(cfg: GPTConfig, layout: Layout, rank: int, train: Training) -> list[tuple[int, int]]:
     """[(elements of one rank's padded shard of an FSDP group, how many such groups)] on `rank`'s stage: a block
-    (counted), the root (the all-gather output is dp_shard x this; the reduce-scatter input too)."""
+    (counted), the root (the all-gather output is dp_shard x this; the reduce-scatter input too). Experts under ep
+    are no FSDP2 parameters."""
     c = coordinates(layout, rank)
     return [(sum(-(-s[0] // layout.dp_shard) * math.prod(s[1:]) for s in
-                 (tp_local_shape(shape, d, layout.tp, c["tp"]) for _, shape, d in params)), count)
-            for _, params, count in stage_groups(cfg, layout, c["pp"])]
+                 (tp_local_shape(shape, d, layout.tp, c["tp"]) for name, shape, d in params
+                  if train.ep == 1 or ".experts." not in name)), count)
+            for _, params, count in stage_groups(cfg, layout, c["pp"], train.moe_experts)]
 
 
 def _ring_factor(kind: str, n: int) -> float:
@@ -584,7 +698,7 @@ def _ring_factor(kind: str, n: int) -> float:
     if n <= 1:
         return 0.0
     return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "send": 1.0}[kind]
+            "send": 1.0, "all_to_all": (n - 1) / n}[kind]
 
 
 def _collective(what: str, kind: str, group: str, size: int, calls: int, nbytes: float, dtype_bytes: int) -> list:
@@ -601,7 +715,7 @@ def _data_parallel_collectives(cfg: GPTConfig, train: Training, layout: Layout, 
     b = _dtype_bytes(train.precision)
     micro = train.grad_accum
     if layout.fsdp:
-        shard, groups = layout.dp_shard, _group_elements(cfg, layout, rank)
+        shard, groups = layout.dp_shard, _group_elements(cfg, layout, rank, train)
         gathers, reduces = (1, 1) if layout.pp > 1 else (2 * micro, micro)
         elements, count = sum(e * n for e, n in groups), sum(n for _, n in groups)
         return (_collective("FSDP parameters", "all_gather", "dp_shard", shard, gathers * count,
@@ -659,6 +773,62 @@ def _recomputed(cfg: GPTConfig, train: Training, blocks: list[int], elements: in
     return [(elements, res)] * (2 * again), scatters
 
 
+# ------------------------------------------------------ context parallelism and experts: what they send
+
+def ring_sends(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> list[dict]:
+    """cp.py's ring per block and micro-batch, as RingAttention sends it (batch_isend_irecv: each rank sends one
+    message to the next and receives one): forward, cp - 1 shifts of this rank's k and v stacked; backward, cp - 1
+    shifts of k, v, dk, dv and a last one of dk, dv home; a checkpointed block's recomputed forward, its cp - 1
+    again. Keys and values travel at n_kv_heads heads. The forward's shifts overlap its block compute (started
+    before, waited after); the backward waits on each shift at once (`step_time` counts those exposed)."""
+    blocks = list(stage_layers(cfg.n_layers, layout.pp, coordinates(layout, rank)["pp"]))
+    mat, cp, micro = _dtype_bytes(train.precision)["matmul"], train.cp, train.grad_accum
+    kv = rank_tokens(train) * cfg.n_kv_heads * cfg.head_dim * mat          # one rank's k (or v), bytes
+    again = len(checkpointed_blocks(cfg, train, blocks))
+    return (_collective("context-parallel ring, forward (k, v)", "send", "cp", cp, micro * len(blocks) * (cp - 1),
+                        micro * len(blocks) * (cp - 1) * 2 * kv, mat)
+            + _collective("context-parallel ring, recomputed forward", "send", "cp", cp, micro * again * (cp - 1),
+                          micro * again * (cp - 1) * 2 * kv, mat)
+            + _collective("context-parallel ring, backward (k, v, dk, dv)", "send", "cp", cp,
+                          micro * len(blocks) * cp, micro * len(blocks) * ((cp - 1) * 4 + 2) * kv, mat))
+
+
+def ring_backward_buffers(cfg: GPTConfig, train: Training) -> float:
+    """What RingAttention's backward holds besides the saved tensors, counted from cp.py (not measured): the
+    travelling k, v with their gradients, the copy sent and the one received (12 tensors of one rank's k); k, v
+    repeated to every head and their gradients, and dq (5 of the tokens x dim); two score blocks (p, ds)."""
+    mat, n, c = _dtype_bytes(train.precision)["matmul"], rank_tokens(train), train.seq_len // (2 * train.cp)
+    return (12 * n * cfg.n_kv_heads * cfg.head_dim + 5 * n * cfg.dim
+            + 2 * train.batch_size * cfg.n_heads * c * c) * mat
+
+
+def expert_collectives(cfg: GPTConfig, train: Training, layout: Layout, rank: int,
+                       rows: list[int] | None = None) -> list[dict]:
+    """moe.py's expert_parallel per MoE block and micro-batch, as its all_to_all_single calls carry them (the input
+    buffer: what leaves a rank is (ep - 1) / ep of it under even routing): forward, the int64 counts per expert, the
+    dispatch of this rank's n x k routed rows (the block's input dtype) and the combine of the rows its experts
+    took (their output dtype); backward, the combine's gradient (n x k rows) and the dispatch's (the rows taken);
+    a checkpointed block's recomputed forward all three again. `rows`: the rows this rank's experts took in each
+    block of its stage (default `moe_rows` each: even routing). Then, once per step, each expert tensor's gradient
+    all-reduced over the dp / ep ranks that hold the same experts (one call per tensor)."""
+    b, ep, micro, d = _dtype_bytes(train.precision), train.ep, train.grad_accum, cfg.dim
+    blocks = list(stage_layers(cfg.n_layers, layout.pp, coordinates(layout, rank)["pp"]))
+    rows = dict(zip(blocks, rows or [moe_rows(train)] * len(blocks)))
+    redone = checkpointed_blocks(cfg, train, blocks)
+    taken, taken_again = micro * sum(rows.values()), micro * sum(rows[i] for i in redone)
+    fwd, again, mine = micro * len(blocks), micro * len(redone), moe_rows(train)
+    res, mat = b["residual"], b["matmul"]
+    experts = model_state(cfg, train, layout, rank)["expert_elements"]
+    return (_collective("expert all-to-all, counts (int64)", "all_to_all", "ep", ep, fwd + again,
+                        (fwd + again) * train.moe_experts * 8, 8)
+            + _collective("expert all-to-all, dispatch and its gradient", "all_to_all", "ep", ep, 2 * fwd + again,
+                          ((fwd + again) * mine + taken) * d * res, res)
+            + _collective("expert all-to-all, combine and its gradient", "all_to_all", "ep", ep, 2 * fwd + again,
+                          (taken + taken_again + fwd * mine) * d * mat, mat)
+            + _collective("expert gradients (replicas)", "all_reduce", "ep_replicas", layout.dp // ep,
+                          3 * len(blocks), experts * b["reduce"], b["reduce"]))
+
+
 def communication(cfg: GPTConfig, train: Training, layout: Layout, rank: int = 0) -> list[dict]:
     """The collectives `rank` takes part in during one step of the recipe, one record per (what, kind, group):
     calls, buffer bytes (the collective's logical buffer summed over calls: an all-gather's output, a
@@ -676,6 +846,8 @@ def communication(cfg: GPTConfig, train: Training, layout: Layout, rank: int = 0
     fp32 values per token (max, sum of exponentials, target logit). Clipping all-reduces the per-tensor norms of
     DTensor gradients over each sharded mesh dimension, or a stage's squared norm over the pipeline. The pipeline
     sends each micro-batch's hidden states forward and their gradients back across each stage boundary.
+    Context parallelism's ring (`ring_sends`) and expert parallelism's all-to-alls and expert gradients
+    (`expert_collectives`, with the experts' norms all-reduced over ep) come on top.
     Not planned: under tp the norm weights' gradients stay partial sums and are all-reduced (dim elements each)
     wherever they are read; notebook 10 counts them.
     """
@@ -683,11 +855,19 @@ def communication(cfg: GPTConfig, train: Training, layout: Layout, rank: int = 0
     records = _data_parallel_collectives(cfg, train, layout, rank)
     if layout.tp > 1:
         records += _tensor_parallel_collectives(cfg, train, layout, stage)
+    if train.cp > 1:
+        records += ring_sends(cfg, train, layout, rank)
+    if train.ep > 1:
+        records += expert_collectives(cfg, train, layout, rank)
     sharded_dims = [(g, size) for g, size in (("dp_shard", layout.dp_shard if layout.fsdp else 1), ("tp", layout.tp))
                     if size > 1]
-    tensors = sum(len(params) * count for _, params, count in stage_groups(cfg, layout, stage))
+    params = [name for _, group, count in stage_groups(cfg, layout, stage, train.moe_experts)
+              for name, _, _ in group for _ in range(count)]
+    experts = sum(".experts." in name for name in params) if train.ep > 1 else 0
     for group, size in sharded_dims:
-        records += _collective("gradient norm (per-tensor norms)", "all_reduce", group, size, 1, tensors * 4, 4)
+        records += _collective("gradient norm (per-tensor norms)", "all_reduce", group, size, 1,
+                               (len(params) - experts) * 4, 4)
+    records += _collective("gradient norm (experts' norms)", "all_reduce", "ep", train.ep, 1, experts * 4, 4)
     if layout.pp > 1:
         records += _collective("gradient norm (stages' squared norms)", "all_reduce", "pp", layout.pp, 1, 4, 4)
         b = _dtype_bytes(train.precision)
@@ -735,7 +915,8 @@ def elementwise_bytes(cfg: GPTConfig, train: Training, tp: int) -> float:
     normed input (five), the rotation in float32 (a copy up, four multiplies and two adds on the halves, the
     stack, the cast back), the repeat of k and v to every query head, two residual adds, silu and the product.
     Compiled (`Training.compile`), each run of elementwise ops between two matmuls is one kernel that reads its
-    inputs and writes its outputs once: add and norm, rotation and repeat, silu and product."""
+    inputs and writes its outputs once: add and norm, rotation and repeat, silu and product. An MoE runs silu and
+    the product on k rows per token, and gathers, weighs and adds back k rows of dim (about four passes each)."""
     b = _dtype_bytes(train.precision)
     r, m = b["residual"], b["matmul"]
     d, h, kv = cfg.dim, cfg.hidden, cfg.n_kv_heads * cfg.head_dim
@@ -746,6 +927,8 @@ def elementwise_bytes(cfg: GPTConfig, train: Training, tp: int) -> float:
         rotate = 36 + (0 if m == 4 else 2 * (m + 4))
         total = (2 * 2 * r * d + (5 * (4 + m) * d if train.precision == "bf16-autocast" else 0) + rotate * (d + kv)
                  + (2 * m * (kv + d) if repeat else 0) + 2 * (2 * r + m) * d + 5 * m * h)
+    if train.moe_experts:
+        total += (3 if train.compile else 5) * m * h * (train.moe_top_k - 1) + 4 * train.moe_top_k * r * d
     return total / tp
 
 
@@ -769,33 +952,63 @@ def bus_bandwidth(size: int, stride: int, rates: Rates) -> float:
     return min(rates.intra, rates.inter * per_node)
 
 
+def communication_seconds(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates, rank: int = 0):
+    """(seconds that can hide behind compute, seconds that cannot) of `rank`'s collectives in one step, each at its
+    group's bus bandwidth plus a latency per call (see `step_time`)."""
+    tp, overlapped, exposed = layout.tp, 0.0, 0.0
+    stride = {"tp": 1, "dp_shard": tp, "dp_replicate": tp * layout.dp_shard, "pp": tp * layout.dp, "cp": tp,
+              "ep": tp, "ep_replicas": tp * train.ep}
+    for r in communication(cfg, train, layout, rank):
+        bw = bus_bandwidth(r["group_size"], stride[r["group"]], rates)
+        seconds = r["sent_bytes"] / bw + r["calls"] * rates.latency
+        if r["what"].startswith(("FSDP", "HSDP", "DDP")):
+            exposed += seconds / r["calls"]                           # one call's worth is not hidden
+            overlapped += seconds - seconds / r["calls"]
+        elif r["what"].startswith("context-parallel ring") and "backward" not in r["what"]:
+            overlapped += seconds
+        else:
+            exposed += seconds
+    return overlapped, exposed
+
+
 def step_time(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates, rank: int = 0) -> dict:
     """One step's seconds on `rank`, from achieved rates (not one fraction of a peak), with its parts.
 
     - matmuls, shape by shape (`matmul_seconds`), the forward's and the backward's, and again those a checkpointed
       block recomputes (full: all; torchtitan's per-op policy: wk, wo, w3; the recipe's: none);
     - attention at fused attention's rate, FlashAttention-2's count (forward 4 b s^2 h d / 2 when causal, backward
-      2.5 forwards), its forward again where a whole block is recomputed;
+      2.5 forwards), its forward again where a whole block is recomputed; under cp the ring's eager blocks
+      (`ring_attention_seconds`); an MoE's matmuls expert by expert (`moe_matmul_seconds`);
     - elementwise work at the memory rate (`elementwise_bytes`: backward twice the forward's bytes, and a
       checkpointed block's forward again), the loss over the vocabulary, autocast's weight casts, the optimizer;
     - communication (`communication`): FSDP2's and DDP's collectives overlap with the compute except one call's
       worth per kind and whatever exceeds the compute; tensor-parallel, loss and pipeline traffic sit on the
       critical path (no async TP); a group that spans nodes runs at the inter-node rate; each call pays the latency;
+      the ring's forward shifts overlap, its backward's do not; the experts' all-to-alls and gradient all-reduce
+      are exposed;
     - the pipeline idles (pp - 1) / (m + pp - 1) of the step (1F1B's bubble, m micro-batches).
     """
     c = coordinates(layout, rank)
     tp, micro = layout.tp, train.grad_accum
-    n = train.batch_size * train.seq_len
+    n = rank_tokens(train)
     blocks = list(stage_layers(cfg.n_layers, layout.pp, c["pp"]))
     again = len(checkpointed_blocks(cfg, train, blocks))
+    whole = again if train.checkpointing in ("full", "alternate") else 0
     shapes = _block_matmuls(cfg, n, tp)
+    if train.moe_experts:                           # the experts in place of w1, w3, w2
+        shapes = {w: s for w, s in shapes.items() if w not in ("w1", "w3", "w2")}
     matmul = len(blocks) * sum(_forward_backward(*s, rates) for s in shapes.values()) + \
-        again * sum(matmul_seconds(*shapes[w], rates) for w in _recomputed_matmuls(train))
+        again * sum(matmul_seconds(*shapes[w], rates) for w in _recomputed_matmuls(train) if w in shapes)
+    if train.moe_experts:
+        matmul += len(blocks) * moe_matmul_seconds(cfg, train, rates) + whole * moe_matmul_seconds(cfg, train, rates,
+                                                                                                  forward_only=True)
     if c["pp"] == layout.pp - 1:
         matmul += _forward_backward(n, cfg.dim, cfg.vocab_size // tp, rates)
     attention_forward = 2 * n * train.seq_len * cfg.dim / tp
-    whole = again if train.checkpointing in ("full", "alternate") else 0
     attention = (3.5 * len(blocks) + whole) * attention_forward / rates.attention
+    if train.cp > 1:
+        attention = len(blocks) * ring_attention_seconds(cfg, train, rates) + \
+            whole * ring_attention_seconds(cfg, train, rates, forwards=1, passes=10)
     b = _dtype_bytes(train.precision)
     traffic = (3 * len(blocks) + again) * n * elementwise_bytes(cfg, train, tp)
     if c["pp"] == layout.pp - 1:
@@ -806,21 +1019,76 @@ def step_time(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates, ran
     memory = (micro * (traffic + casts) + (68 if train.optimizer == "adamw" else 36) * state["elements"]) / \
         rates.memory
     compute = micro * (matmul + attention) + memory
-    overlapped = exposed = 0.0
-    stride = {"tp": 1, "dp_shard": tp, "dp_replicate": tp * layout.dp_shard, "pp": tp * layout.dp}
-    for r in communication(cfg, train, layout, rank):
-        bw = bus_bandwidth(r["group_size"], stride[r["group"]], rates)
-        seconds = r["sent_bytes"] / bw + r["calls"] * rates.latency
-        if r["what"].startswith(("FSDP", "HSDP", "DDP")):
-            exposed += seconds / r["calls"]                           # one call's worth is not hidden
-            overlapped += seconds - seconds / r["calls"]
-        else:
-            exposed += seconds
+    overlapped, exposed = communication_seconds(cfg, train, layout, rates, rank)
     busy = max(compute, overlapped) + exposed
     bubble = (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0
     return {"seconds": busy / (1 - bubble), "matmul": micro * matmul, "attention": micro * attention,
             "memory": memory, "comm_overlapped": overlapped, "comm_exposed": exposed, "bubble": bubble,
             "rates": rates.sources}
+
+
+# -------------------------------------------------- context parallelism and experts: their time and FLOPs
+
+def ring_attention_seconds(cfg: GPTConfig, train: Training, rates: Rates, forwards: float = 3.5,
+                           passes: int = 26) -> float:
+    """One block's ring attention on one rank: cp.py computes it in eager block matmuls, not a fused kernel, so its
+    FLOPs (`step_time`'s causal count for this rank's queries, `forwards` forwards: 3.5 with the backward, 1 for a
+    recomputed forward) run at the matmul rate, and each visible score block (chunk x chunk per head, 2 x cp + 1 of
+    them) is read or written `passes` times at the memory rate, counted from cp.py's ops: 10 in forward (the
+    scores, scale, max, subtract, exp, sum, p @ v), 16 in backward (the scores again, lse, exp, dP, delta, dS)."""
+    c = train.seq_len // (2 * train.cp)
+    scores = (2 * train.cp + 1) * train.batch_size * cfg.n_heads * c * c * _dtype_bytes(train.precision)["matmul"]
+    flops = forwards * 2 * rank_tokens(train) * train.seq_len * cfg.dim
+    return flops / rates.matmul + passes * scores / rates.memory
+
+
+def moe_matmul_seconds(cfg: GPTConfig, train: Training, rates: Rates, forward_only: bool = False) -> float:
+    """One MoE block's matmuls on one rank, forward and backward (or the forward alone, recomputed): the router's,
+    and each of its E / ep experts' w1, w3 and w2 on the rows it takes under even routing, k / E of the tokens of
+    the ep ranks (ep x n x k / E rows each)."""
+    d, h, n, e, ep = cfg.dim, cfg.hidden, rank_tokens(train), train.moe_experts, train.ep
+    rows = -(-ep * n * train.moe_top_k // e)
+    one = matmul_seconds if forward_only else _forward_backward
+    return one(n, d, e, rates) + e // ep * sum(one(*s, rates) for s in ((rows, d, h), (rows, d, h), (rows, h, d)))
+
+
+def active_parameter_count(cfg: GPTConfig, experts: int = 0, top_k: int = 1) -> int:
+    """The parameters one token meets: every one of a dense model; with MoE the router and top_k of the experts in
+    each block (what FLOPs, and so MFU, count), not all of them."""
+    if not experts:
+        return parameter_count(cfg)
+    return parameter_count(cfg) + cfg.n_layers * (experts * cfg.dim + (top_k - 1) * 3 * cfg.dim * cfg.hidden)
+
+
+def flops_per_token(cfg: GPTConfig, train: Training) -> float:
+    """Training FLOPs per token as config.GPTConfig.flops_per_token counts them (6 per matmul weight, the attention
+    scores uncounted for causality), with an MoE's active weights (`active_parameter_count`)."""
+    extra = active_parameter_count(cfg, train.moe_experts, train.moe_top_k) - parameter_count(cfg)
+    return cfg.flops_per_token(train.seq_len) + 6 * extra
+
+
+def data_ranks(layout: Layout, train: Training) -> int:
+    """The ranks that read different batches: the data-parallel ones, cp of which share each batch."""
+    return layout.dp // train.cp
+
+
+def check_context_and_experts(train: Training, layout: Layout) -> None:
+    """ValueError (one line) where the recipe refuses --cp or --moe-experts/--ep (train.check_context_parallel
+    and its MoE checks): their ranks come out of dp_shard's; neither is built beside tp or pp, nor MoE beside cp;
+    the ring cuts each sequence into 2 x cp chunks and stops torch.compile at its sends."""
+    for flag, n in (("--cp", train.cp), ("--ep", train.ep)):
+        if layout.dp_shard % n:
+            raise ValueError(f"{flag} {n} ranks are taken out of --dp-shard {layout.dp_shard}: it must divide it")
+    if train.cp > 1 and (layout.tp > 1 or layout.pp > 1):
+        raise ValueError("--cp with --tp or --pp: not built in this recipe (context parallel over data parallel only)")
+    if train.seq_len % (2 * train.cp):
+        raise ValueError(f"--cp {train.cp} cuts each sequence into {2 * train.cp} equal chunks: --seq-len "
+                         f"{train.seq_len} does not divide")
+    if train.cp > 1 and train.compile:
+        raise ValueError("--cp: torch.compile does not compile the ring's point-to-point sends: add --no-compile")
+    if train.moe_experts and (layout.tp > 1 or layout.pp > 1 or train.cp > 1):
+        raise ValueError("--moe-experts with --tp, --pp or --cp: not built in this recipe (experts over data "
+                         "parallel only)")
 
 
 ASSUMPTIONS = (
@@ -833,7 +1101,17 @@ ASSUMPTIONS = (
     "time: matmuls at a measured rate by shape, attention at FlashAttention-2's published share, elementwise work at "
     "the measured copy rate; FSDP/DDP traffic hidden but one call per kind, TP, loss and pipeline traffic exposed; "
     "1F1B bubble (pp-1)/(m+pp-1)",
-    "not planned: context parallelism, float8, async TP, interleaved schedules, CPU offload",
+    "context parallel (cp.py's ring): each rank keeps seq_len/cp tokens' activations and the ring's q, k, v, output "
+    "and log-sum-exp (selective checkpointing also the ring's score blocks); k, v and their gradients sent around "
+    "the ring, the forward's shifts hidden, the backward's exposed; the ring's eager attention at the matmul rate "
+    "plus its score blocks at the memory rate; its backward buffers counted from cp.py, not measured",
+    "mixture of experts (moe.py, dropless): parameters, activations and all-to-all bytes as moe.py keeps and sends "
+    "them, under even routing (each expert k/E of the tokens; the bytes that leave a rank are (ep-1)/ep of those "
+    "dispatched); under ep each rank holds its E/ep experts whole (fp32, outside FSDP2) and all-reduces their "
+    "gradients over the dp/ep replicas once per step; all-to-alls exposed; MFU counts the active weights (router "
+    "and k experts); the experts' backward temporaries and an uneven router's skew are not counted",
+    "not planned: float8, async TP, interleaved schedules (--pp-schedule interleaved, interleaved-zb: their "
+    "in-flight micro-batches come from torch's schedule, not a formula here), CPU offload",
 )
 
 
@@ -863,7 +1141,8 @@ class Plan:
 def check_layout(cfg: GPTConfig, train: Training, layout: Layout) -> None:
     """ValueError (one line) for a layout the recipe refuses: config.Layout.check (tp must divide the heads, the
     key/value heads, the vocabulary and the sequence; pp at most the layers; no pipelined tied output), and what
-    train.parse_args adds: 1F1B needs as many micro-batches as stages; the model is as long as its sequences."""
+    train.parse_args adds: 1F1B needs as many micro-batches as stages; the model is as long as its sequences;
+    what it refuses of --cp and --moe-experts, --ep (`check_context_and_experts`)."""
     layout.check(None, cfg, train.seq_len)
     if layout.pp > 1 and train.grad_accum < layout.pp:
         raise ValueError(f"pipelining over {layout.pp} stages needs at least as many micro-batches "
@@ -873,6 +1152,7 @@ def check_layout(cfg: GPTConfig, train: Training, layout: Layout) -> None:
     if train.precision == "bf16-fsdp" and not layout.fsdp:
         raise ValueError(f"precision bf16-fsdp needs FSDP2, which {layout_name(layout)} does not apply (use "
                          "bf16-autocast)")
+    check_context_and_experts(train, layout)
 
 
 def plan(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates | None = None,
@@ -891,12 +1171,12 @@ def plan(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates | None = 
     if rates is not None:
         stages = [step_time(cfg, train, layout, rates, s * layout.world // layout.pp) for s in range(layout.pp)]
         time = max(stages, key=lambda t: t["seconds"])
-        tokens = train.batch_size * train.seq_len * train.grad_accum * layout.dp
+        tokens = train.batch_size * train.seq_len * train.grad_accum * data_ranks(layout, train)
         time["tokens_per_s_per_gpu"] = tokens / time["seconds"] / layout.world
         if gpu:
             device = GPUS[gpu] if isinstance(gpu, str) else gpu
             peak = datasheet_flops(device.device, "fp32" if train.precision == "fp32" else "bf16")[0]
-            time["mfu"] = time["tokens_per_s_per_gpu"] * cfg.flops_per_token(train.seq_len) / peak
+            time["mfu"] = time["tokens_per_s_per_gpu"] * flops_per_token(cfg, train) / peak
     return Plan(cfg, train, layout, rows, communication(cfg, train, layout, 0), time, gpu)
 
 
@@ -917,26 +1197,29 @@ def layouts(world: int) -> list[Layout]:
 
 def fitting_layouts(cfg: GPTConfig, gpus: int, gpu: str | GPU, rates: Rates | None = None, *, seq_len: int,
                     global_batch: int, batch_size: int = 1, dtype: str = "bf16", checkpointing=CHECKPOINTING,
-                    compile: bool = True, max_tp: int | None = None, fixed: dict | None = None) -> list[Plan]:
+                    compile: bool = True, max_tp: int | None = None, fixed: dict | None = None, cp: int = 1,
+                    moe_experts: int = 0, moe_top_k: int = 2, ep: int = 1) -> list[Plan]:
     """The layouts of `gpus` GPUs `gpu` (a GPU, or a key of GPUS) and checkpointing modes whose reserved memory, with
     NON_TORCH_BYTES beside it, fits the GPU, each at `global_batch` sequences per step of micro-batches of
     `batch_size`, fastest estimate first (rates: `gpu_rates(gpu)` unless given).
 
-    The accumulation follows from the layout: grad_accum = global_batch / (batch_size x data-parallel ranks);
-    layouts that cannot split the batch so, tp beyond one node (`max_tp`, default the node's GPUs), degrees other
-    than `fixed` ({"tp": 8, ...}), or that the recipe refuses are left out. The precision is what the recipe's
-    --dtype gives there (`recipe_precision`).
+    The accumulation follows from the layout: grad_accum = global_batch / (batch_size x data-parallel ranks, cp of
+    which share a batch); layouts that cannot split the batch so, tp beyond one node (`max_tp`, default the node's
+    GPUs), degrees other than `fixed` ({"tp": 8, ...}), or that the recipe refuses are left out. The precision is
+    what the recipe's --dtype gives there (`recipe_precision`); cp, moe_experts, moe_top_k, ep: `Training`'s.
     """
     device = GPUS[gpu] if isinstance(gpu, str) else gpu
     rates = rates or gpu_rates(device, "fp32" if dtype == "fp32" else "bf16")
     max_tp = device.gpus_per_node if max_tp is None else max_tp
     found = []
     for layout, ac in itertools.product(layouts(gpus), checkpointing):
-        if layout.tp > max_tp or global_batch % (batch_size * layout.dp) or \
+        data = layout.dp // cp if layout.dp_shard % cp == 0 else 0
+        if layout.tp > max_tp or not data or global_batch % (batch_size * data) or \
                 any(getattr(layout, k) != v for k, v in (fixed or {}).items()):
             continue
-        train = Training(seq_len=seq_len, batch_size=batch_size, grad_accum=global_batch // (batch_size * layout.dp),
-                         precision=recipe_precision(dtype, layout), checkpointing=ac, compile=compile)
+        train = Training(seq_len=seq_len, batch_size=batch_size, grad_accum=global_batch // (batch_size * data),
+                         precision=recipe_precision(dtype, layout), checkpointing=ac, compile=compile, cp=cp,
+                         moe_experts=moe_experts, moe_top_k=moe_top_k, ep=ep)
         try:
             check_layout(cfg, train, layout)
         except ValueError:
@@ -975,7 +1258,8 @@ def model_flags(cfg: GPTConfig, init_from: str | None = None) -> dict:
 def torchrun_command(cfg: GPTConfig, train: Training, layout: Layout, script: str = "scripts/train/train.py",
                      nodes: int = 1, init_from: str | None = None, **extra) -> str:
     """The recipe's command line for this plan: one node with --standalone, several with c10d rendezvous
-    (HOST:29500 stands for the first node's address). `extra` adds flags (`steps=100` gives --steps 100)."""
+    (HOST:29500 stands for the first node's address). `extra` adds flags (`steps=100` gives --steps 100). --cp,
+    --moe-experts, --moe-top-k and --ep appear where the plan uses them."""
     if train.optimizer != "adamw":
         raise ValueError("the recipe trains with AdamW")
     if train.checkpointing not in CHECKPOINTING:
@@ -989,9 +1273,11 @@ def torchrun_command(cfg: GPTConfig, train: Training, layout: Layout, script: st
     else:
         head = (f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d "
                 "--rdzv-endpoint=HOST:29500 --rdzv-id=plan")
+    parallel = {"cp": train.cp, "moe-experts": train.moe_experts, "moe-top-k": train.moe_top_k, "ep": train.ep}
     flags = {**model_flags(cfg, init_from), "seq-len": train.seq_len, "dp-replicate": layout.dp_replicate,
              "dp-shard": layout.dp_shard, "tp": layout.tp, "pp": layout.pp,
-             "batch": train.batch_size * layout.dp * train.grad_accum, "accum": train.grad_accum,
+             **{k: v for k, v in parallel.items() if (v > 1 if k == "cp" else train.moe_experts)},
+             "batch": train.batch_size * data_ranks(layout, train) * train.grad_accum, "accum": train.grad_accum,
              "dtype": "fp32" if train.precision == "fp32" else "bf16", "ac": train.checkpointing,
              ("compile" if train.compile else "no-compile"): ""}
     flags.update({k.replace("_", "-"): v for k, v in extra.items()})
@@ -1015,7 +1301,10 @@ def describe(p: Plan) -> str:
     """A plan in a few lines: the layout, each detailed rank's bytes, the communication, the time."""
     lines = [f"{layout_name(p.layout)} (world {p.layout.world}); {p.train.precision}, {p.train.optimizer}, "
              f"checkpointing {p.train.checkpointing}{', compiled' if p.train.compile else ''}; micro-batch "
-             f"{p.train.batch_size} x {p.train.seq_len} tokens, {p.train.grad_accum} per step"]
+             f"{p.train.batch_size} x {p.train.seq_len} tokens, {p.train.grad_accum} per step"
+             + (f"; cp {p.train.cp}" if p.train.cp > 1 else "")
+             + (f"; {p.train.moe_experts} experts, top {p.train.moe_top_k}, ep {p.train.ep}" if p.train.moe_experts
+                else "")]
     for r in p.ranks:
         a, m = r["allocated"], r["memory"]
         lines.append(f"  rank {r['rank']:>3} (stage {r['pp']}): params {a['parameters'] / GIB:.2f} GiB, grads "
@@ -1051,8 +1340,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> Parser:
     p = Parser(prog="plan.py", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.RawDescriptionHelpFormatter,
-               epilog="Not planned (asked for, they are refused with a line that says so): context parallelism (--cp), "
-                      "float8 (--float8).")
+               epilog="Not planned (asked for, it is refused with a line that says so): float8 (--float8).")
     g = p.add_argument_group("model (train.py's flags)")
     g.add_argument("--model", choices=sorted(PRESETS), help="a named shape (config.py's PRESETS)")
     g.add_argument("--hf-config", help="a Hugging Face Llama's config.json instead (the torchrun line then uses "
@@ -1072,8 +1360,8 @@ def build_parser() -> Parser:
     g.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     g.add_argument("--ac", nargs="+", choices=CHECKPOINTING, default=list(CHECKPOINTING),
                    help="checkpointing modes to try (default: all)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile each "
-                   "block, as the recipe does on GPUs (default)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile each block, as the "
+                   "recipe does on GPUs (default, but with --cp: its ring does not compile)")
     g.add_argument("--dp-replicate", type=int, help="fix dp_replicate (default: try every degree)")
     g.add_argument("--dp-shard", type=int, help="fix dp_shard (default: try every degree)")
     g.add_argument("--tp", type=int, help="fix tp (default: every degree within a node)")
@@ -1081,7 +1369,12 @@ def build_parser() -> Parser:
     g.add_argument("--matmul-tflops", type=float, help="your GPU's large bf16 matmul rate (notebook 05 measures it; "
                    "default: the datasheet x the H200's measured share)")
     g.add_argument("--top", type=int, default=8, help="layouts to print")
-    g.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
+    g.add_argument("--cp", type=int, default=1, help="context parallel: each sequence split over this many of the "
+                   "dp_shard ranks (ring attention)")
+    g.add_argument("--moe-experts", type=int, default=0, help="every feed-forward a mixture of this many experts")
+    g.add_argument("--moe-top-k", type=int, default=2, help="experts per token (with --moe-experts)")
+    g.add_argument("--ep", type=int, default=1, help="expert parallel: the experts sharded over this many of the "
+                   "dp_shard ranks")
     g.add_argument("--float8", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -1110,14 +1403,26 @@ def model_from_args(args, parser) -> tuple[GPTConfig, str | None]:
     return cfg, init_from
 
 
+def parallel_from_args(args, parser, cfg: GPTConfig, fixed: dict) -> dict:
+    """Training's cp, moe_experts, moe_top_k, ep and compile from the flags (compile by default, but not with --cp),
+    refused in one line where the recipe would refuse them at the fixed degrees."""
+    chosen = {"cp": args.cp, "moe_experts": args.moe_experts, "moe_top_k": args.moe_top_k, "ep": args.ep,
+              "compile": args.cp == 1 if args.compile is None else args.compile}
+    try:
+        probe = Training(seq_len=cfg.max_seq_len, **chosen)
+        check_context_and_experts(probe, Layout(dp_shard=fixed.get("dp_shard", math.lcm(args.cp, args.ep)),
+                                                tp=fixed.get("tp", 1), pp=fixed.get("pp", 1)))
+    except ValueError as e:
+        parser.error(str(e))
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.cp != 1 or args.float8:
-        parser.error("not planned: " + " and ".join(["context parallelism (--cp)"] * (args.cp != 1)
-                                                    + ["float8 (--float8)"] * args.float8)
-                     + " (the recipe has neither; see ASSUMPTIONS)")
-    for key in ("gpus", "micro_batch", "batch", "seq_len", "top", "dp_replicate", "dp_shard", "tp", "pp"):
+    if args.float8:
+        parser.error("not planned: float8 (--float8) (the recipe has none; see ASSUMPTIONS)")
+    for key in ("gpus", "micro_batch", "batch", "seq_len", "top", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
     cfg, init_from = model_from_args(args, parser)
@@ -1130,16 +1435,23 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(e))
         if args.gpus % math.prod(fixed.values()):
             parser.error(f"the fixed degrees ({math.prod(fixed.values())} GPUs) do not divide --gpus {args.gpus}")
+    parallel = parallel_from_args(args, parser, cfg, fixed)
     gpu = GPUS[args.gpu]
     rates = gpu_rates(gpu, args.dtype, args.matmul_tflops * 1e12 if args.matmul_tflops else None)
-    dp_options = {l.dp for l in layouts(args.gpus) if all(getattr(l, k) == v for k, v in fixed.items())}
+    dp_options = {l.dp // args.cp for l in layouts(args.gpus) if all(getattr(l, k) == v for k, v in fixed.items())
+                  and l.dp_shard % math.lcm(args.cp, args.ep) == 0}
+    if not dp_options:
+        parser.error(f"--cp {args.cp} and --ep {args.ep} divide no --dp-shard of a layout of {args.gpus} GPUs")
     if not any(batch % (args.micro_batch * dp) == 0 for dp in dp_options):
         parser.error(f"--batch {batch} does not split into micro-batches of {args.micro_batch} over the "
                      f"data-parallel ranks of any layout of {args.gpus} GPUs ({sorted(dp_options)})")
     fits = fitting_layouts(cfg, args.gpus, args.gpu, rates, seq_len=cfg.max_seq_len, global_batch=batch,
                            batch_size=args.micro_batch, dtype=args.dtype, checkpointing=tuple(args.ac),
-                           compile=args.compile, fixed=fixed)
-    print(f"{cfg.num_params() / 1e9:.2f}B parameters ({cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads, "
+                           fixed=fixed, **parallel)
+    e, k = args.moe_experts, args.moe_top_k
+    print(f"{parameter_count(cfg, e) / 1e9:.2f}B parameters"
+          + (f" ({active_parameter_count(cfg, e, k) / 1e9:.2f}B active: {k} of {e} experts)" if e else "")
+          + f" ({cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads, "
           f"{cfg.n_kv_heads} key/value heads, vocabulary {cfg.vocab_size}); {batch} sequences of {cfg.max_seq_len} "
           f"tokens per step on {args.gpus} x {args.gpu} ({gpu.memory / GIB:.2f} GiB each, "
           f"{NON_TORCH_BYTES / GIB:.0f} GiB of it kept for CUDA and NCCL)")
