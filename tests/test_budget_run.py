@@ -11,7 +11,7 @@ import nbformat
 import psutil
 import pytest
 
-from tools.budget_run import ARCHIVE, Session, parse_arguments, run_notebooks
+from tools.budget_run import ARCHIVE, Session, failed_tests, parse_arguments, run_notebooks
 
 
 def write_notebook(path, *sources):
@@ -95,3 +95,15 @@ def test_arguments_after_the_separator_go_to_pytest_untouched():
     assert (args.mode, args.budget, str(args.out), rest) == ("full", 300.0, "/tmp/x", ["05", "03b"])
     with pytest.raises(SystemExit):
         parse_arguments(["tests", "tests/test_launch.py"])  # a pytest argument without -- is refused, not dropped
+
+
+def test_failed_tests_are_named_from_the_per_test_lines_even_without_pytests_summary():
+    cut_short = ("[gw1] [ 41%] PASSED tests/test_a.py::test_fine\n"
+                 "[gw0] [ 42%] FAILED tests/test_b.py::test_broken[fsdp]\n"
+                 "tests/test_c.py::test_serial FAILED                [ 43%]\n"
+                 "[gw3] [ 44%] ERROR tests/test_d.py::test_fixture\n")   # stopped here: no summary
+    assert failed_tests(cut_short) == [("FAILED", "tests/test_b.py::test_broken[fsdp]"),
+                                       ("ERROR", "tests/test_d.py::test_fixture"),
+                                       ("FAILED", "tests/test_c.py::test_serial")]
+    assert failed_tests("FAILED tests/test_b.py::test_broken - AssertionError: x\n") == \
+        [("FAILED", "tests/test_b.py::test_broken")]

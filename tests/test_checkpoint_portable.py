@@ -21,8 +21,8 @@ import checkpoint as recipe  # noqa: E402
 import data  # noqa: E402
 
 # the global batch (6) splits whole over 1, 2 and 3 ranks
-TINY = ["--dim=32", "--n-layers=1", "--n-heads=2", "--seq-len=16", "--batch=6", "--lr=3e-3", "--dtype=fp32",
-        "--no-compile", "--eval-windows=6", "--log-every=1"]
+TINY = ["--model=tiny", "--dim=32", "--n-layers=1", "--n-heads=2", "--seq-len=16", "--batch=6", "--lr=3e-3",
+        "--dtype=fp32", "--no-compile", "--eval-windows=6", "--log-every=1"]   # the model named: GPUs default to another
 
 
 @pytest.fixture

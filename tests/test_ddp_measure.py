@@ -259,7 +259,8 @@ def test_step_times_counts_buckets_and_keeps_variants_comparable(grouped):
     from helpers.measure.activations import LiveTensorBytes
 
     ranks = helpers.launch(script.run_distributed, script.step_times, model_of, 8, variants, 3,
-                           memory_probe=LiveTensorBytes, world_size=2, timeout=120)
+                           memory_probe=LiveTensorBytes, world_size=2, timeout=120,
+                           env=devices.cpu_ranks_env(2, devices.gpu_count()))
     for r in ranks:
         assert all(len(v["times"]) == 3 and min(v["times"]) > 0 for v in r.values())
         assert r["step"]["buckets"] == bucket_plan(model_of(), 0.05)
@@ -317,7 +318,7 @@ def test_traced_step_makes_one_all_reduce_per_planned_bucket_and_measures_its_ov
     model_of = functools.partial(DigitsMLP, 64, 3)
     script = _train_ddp()
     ranks = helpers.launch(script.run_distributed, script.traced_step, model_of, 8, {"bucket_cap_mb": cap},
-                           str(tmp_path), world_size=2, timeout=120)
+                           str(tmp_path), world_size=2, timeout=120, env=devices.CPU_ONLY_ENV)
     for rank, r in enumerate(ranks):
         assert r["allreduces"] == len(bucket_plan(model_of(), cap)) and r["device"] == "cpu"
         assert r["trace"] == str(tmp_path / f"ddp_step_rank{rank}.json") and os.path.exists(r["trace"])

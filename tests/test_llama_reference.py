@@ -126,3 +126,19 @@ def test_the_key_value_cache_changes_no_logit(n_kv_heads):
         pieces.append(model(TOKENS[:, 25:], cache))
     torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=0, atol=ATOL)
     assert cache.k.shape[2] == n_kv_heads, "the cache holds the key/value heads only"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 CUDA kernels: a GPU machine's check")
+def test_in_bf16_on_a_gpu_ours_is_as_close_to_float32_as_transformers_own_bf16():
+    """On a GPU both models run in bf16, each with its own kernels and rounding: ours must land as near the float32
+    logits as transformers' Llama does from the same weights (within twice its gap), and bf16 must have rounded."""
+    ours, theirs = _pair(n_kv_heads=2, rope_theta=500000.0, rope_scaling=LLAMA31_SCALING)
+    ours, theirs, tokens = ours.cuda(), theirs.cuda(), TOKENS.cuda()
+    with torch.no_grad():
+        exact = ours(tokens).float()
+        torch.testing.assert_close(theirs(tokens).logits.float(), exact, rtol=0, atol=1e-4)   # fp32 on the GPU
+        ours_gap = (ours.bfloat16()(tokens).float() - exact).abs().max().item()
+        theirs_gap = (theirs.bfloat16()(tokens).logits.float() - exact).abs().max().item()
+    print(f"bf16 logits against float32: ours {ours_gap:.3g}, transformers' {theirs_gap:.3g}")
+    assert theirs_gap > 0, "bf16 rounded the reference: the comparison has a scale"
+    assert ours_gap <= 2 * theirs_gap, (ours_gap, theirs_gap)

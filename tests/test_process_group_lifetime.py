@@ -22,6 +22,7 @@ import time
 import pytest
 
 from helpers import launch
+from helpers.devices import CPU_ONLY_ENV
 from helpers.launcher.errors import WorkerError
 from helpers.paths import SCRIPTS
 
@@ -79,14 +80,13 @@ def run_and_go_on(drop_module_reference: bool):
 
 @pytest.mark.timeout(180)
 def test_a_group_held_by_a_callback_is_not_freed_on_gloos_thread():
-    assert launch(run_and_go_on, False, world_size=2, timeout=120,
-                  quiet=True) == [8.0, 8.0]
+    assert launch(run_and_go_on, False, world_size=2, timeout=120, quiet=True, env=CPU_ONLY_ENV) == [8.0, 8.0]
 
 
 @pytest.mark.timeout(180)
 def test_without_the_modules_reference_the_same_run_aborts():
     with pytest.raises(WorkerError) as failed:
-        launch(run_and_go_on, True, world_size=2, timeout=120, quiet=True)
+        launch(run_and_go_on, True, world_size=2, timeout=120, quiet=True, env=CPU_ONLY_ENV)
     assert "SIGABRT" in str(failed.value) and "Resource deadlock avoided" in str(failed.value)
 
 
@@ -105,4 +105,5 @@ def join_three_times():
 
 @pytest.mark.timeout(180)
 def test_a_process_that_joins_again_holds_only_its_last_group():
-    assert launch(join_three_times, world_size=2, timeout=120, quiet=True) == [[True, True, True, 1]] * 2
+    ranks = launch(join_three_times, world_size=2, timeout=120, quiet=True, env=CPU_ONLY_ENV)
+    assert ranks == [[True, True, True, 1]] * 2

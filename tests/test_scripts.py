@@ -19,6 +19,7 @@ import pytest
 
 from tools.export import drift
 from helpers.cluster.torchrun import torchrun_path
+from helpers.devices import gpu_count
 from helpers.paths import REPO_ROOT, SCRIPTS
 
 # Small sizes for each script, as a reader would pass them for a first try. Every script needs an entry.
@@ -87,6 +88,8 @@ def test_a_script_runs_cleanly_under_torchrun_without_helpers_every_time(name: s
     (blocker / "helpers.py").write_text("raise ImportError('a standalone script must not import helpers')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COOKBOOK_", "PYTHON"))}
     env["PYTHONPATH"] = str(blocker)  # ahead of site-packages, where the editable install would find helpers
+    if gpu_count() == 1:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # 2 ranks, 1 GPU: the recipe refuses to share it; on the CPU, as it advises
     command = [torchrun_path(), "--standalone", "--nproc-per-node=2", name, *SMOKE_ARGS[name]]
     runs = []
     for attempt in range(1, RUNS + 1):

@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -144,10 +145,12 @@ class Session:
         self.records = json.loads(summary.read_text()) if summary.exists() else []
 
     def record(self, step: str, status: str, seconds: float, cells: list | None = None,
-               figures: list | None = None) -> None:
-        """Add a step's record and its figures row, print them, and rewrite the archive."""
+               figures: list | None = None, tests: list | None = None) -> None:
+        """Add a step's record and its figures row, print them, and rewrite the archive. `tests`: the failed
+        tests' lines ("FAILED tests/x.py::t"), for a tests step."""
         self.records.append({"mode": self.mode, "step": step, "status": status, "seconds": round(seconds, 1),
-                             "failing_cells": cells or [], "figures": figures or [], **self.facts})
+                             "failing_cells": cells or [], "failing_tests": tests or [], "figures": figures or [],
+                             **self.facts})
         (self.work / "summary.json").write_text(json.dumps(self.records, indent=1))
         shown = "; ".join(f"{f['name']} = {f['value']:.4g} {f['unit']}".rstrip() for f in figures or [])
         if cells:
@@ -165,6 +168,8 @@ class Session:
         print(f"{step}: {status}, {seconds:.1f} s{'; ' + shown if shown else ''}", flush=True)
         for cell in cells or []:
             print(f"   cell {cell['cell']} ({cell['id']}): {cell['ename']}: {cell['evalue'][:200]}", flush=True)
+        for test in tests or []:
+            print(f"   {test}", flush=True)
 
     def archive(self) -> None:
         """Rewrite `out`'s one file; a command stopped while writing leaves the previous archive whole."""
@@ -216,6 +221,14 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, args.names + passed_on
 
 
+def failed_tests(pytest_output: str) -> list[tuple[str, str]]:
+    """(outcome, test id) of each test that failed or errored, from pytest -v's per-test lines (xdist's
+    "[gw0] [ 12%] FAILED tests/x.py::t" or plain "tests/x.py::t FAILED") and its closing summary alike."""
+    found = re.findall(r"^(?:\[gw\d+\] (?:\[ *\d+%\] )?)?(FAILED|ERROR) (tests/\S+)", pytest_output, re.M)
+    found += [(o, t) for t, o in re.findall(r"^(tests/\S+) (FAILED|ERROR)\b", pytest_output, re.M)]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_one"]:  # the child that executes one notebook
@@ -233,14 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run_notebooks(session, paths, deadline) else 1
     if args.mode == "tests":
         pytest_args = rest or ["-m", "not browser and not notebook"]
-        argv_child = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *pytest_args]
+        # -v: a line per test as it ends ("[gw2] FAILED tests/..."), so a run stopped at the budget, before pytest's
+        # summary, still names the tests that failed (the 2026-11-28 GPU run lost four names that way)
+        argv_child = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", *pytest_args]
         log = session.work / f"tests.{len(session.records) + 1}.log"
     else:
         argv_child = [sys.executable, str(REPO_ROOT / "benchmarks" / "launch_overhead.py"), *rest]
         log = session.work / f"bench.{len(session.records) + 1}.log"
     status, seconds = run_bounded(argv_child, deadline - time.monotonic(), log=log)
-    tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
-    session.record(" ".join(rest) or args.mode, status + (f" ({tail[0]})" if tail else ""), seconds)
+    text = log.read_text() if log.exists() else ""
+    tail = text.strip().splitlines()[-1:]
+    session.record(" ".join(rest) or args.mode, status + (f" ({tail[0]})" if tail else ""), seconds,
+                   tests=[f"{outcome} {test}" for outcome, test in dict.fromkeys(failed_tests(text))])
     return 0 if status == "ran" else 1
 
 

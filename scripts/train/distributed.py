@@ -29,11 +29,14 @@ atexit.register(GROUPS_JOINED.clear)
 
 def uses_gpu() -> bool:
     """One GPU per local rank, or the CPU for every rank (never a mix). More local ranks than visible GPUs is a
-    mistake, not a reason to fall back to the CPU silently: ValueError, one line."""
-    if not torch.cuda.is_available():
+    mistake, not a reason to fall back to the CPU silently: ValueError, one line. The count decides, not
+    is_available(), which a process answers once: CUDA_VISIBLE_DEVICES= set after that first answer hides them."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
         return False
-    local_world, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if local_world > gpus:
+
         raise ValueError(f"{local_world} ranks on this node but {gpus} visible GPU{'s' * (gpus != 1)}: one GPU per rank "
                          "(or hide them with CUDA_VISIBLE_DEVICES= to train on the CPU)")
     return True
