@@ -79,6 +79,7 @@ def plain_loop(args, timed) -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     with torch.device("meta"):
         model = GPT(args.model_config)
+    train.apply_experts(model, args, None)       # --extra '--moe-experts E': the same experts, on this one process
     apply_ac(model, args.ac)                     # --extra '--ac ...' checkpoints the plain loop's blocks too
     if args.compile:
         apply_compile(model)
@@ -94,7 +95,7 @@ def plain_loop(args, timed) -> None:
             x, y = (t.to(device, non_blocking=True) for t in next(batches))
             with autocast:
                 loss = cross_entropy(model(x), y)
-            loss.backward()
+            (loss + train.balance_loss(model, args)).backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             optimizer.step()
             scheduler.step()

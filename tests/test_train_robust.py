@@ -107,7 +107,7 @@ def test_evaluation_and_checkpoint_time_is_set_aside_from_tokens_per_second(monk
     monkeypatch.setattr(train.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(train.hardware, "measured_matmul_peak", lambda device, dtype: 1e12)
     cfg = train.preset("tiny", vocab_size=256)
-    args = argparse.Namespace(seq_len=16, batch=4, steps=10)
+    args = argparse.Namespace(seq_len=16, batch=4, steps=10, moe_experts=0)
     meter = train.Meter(args, cfg, torch.device("cpu"), torch.float32)
     meter.steps = 7
     with meter.set_aside("eval"):

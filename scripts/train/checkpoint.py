@@ -272,7 +272,11 @@ def full_model_state(checkpoint: str | Path) -> tuple:
 
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / CONFIG_FILE).read_text())
+    if config.get("args", {}).get("moe_experts"):
+        raise ValueError(f"{checkpoint} holds a mixture of experts (train.py --moe-experts): exports and generate.py "
+                         "build the dense Llama")
     cfg = GPTConfig(**config["model"])
+
     with torch.device("meta"):
         model = GPT(cfg)
     model.to_empty(device="cpu")

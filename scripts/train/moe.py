@@ -33,8 +33,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_experts(experts: nn.ModuleDict, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """SwiGLU of each local expert on its rows of x (sorted by expert: counts[e] rows for expert e)."""
-    w1, w3, w2 = (_local(experts[name].weight) for name in ("w1", "w3", "w2"))
+    """SwiGLU of each local expert on its rows of x (sorted by expert: counts[e] rows for expert e). The weights
+    in x's dtype: experts that FSDP2 leaves alone keep float32 while its bf16 policy hands them bf16 rows."""
+    w1, w3, w2 = (_local(experts[name].weight).to(x.dtype) for name in ("w1", "w3", "w2"))
+
     return torch.cat([(F.silu(part @ w1[e].T) * (part @ w3[e].T)) @ w2[e].T for e, part in enumerate(x.split(counts))])
 
 

@@ -37,7 +37,7 @@ def dp_rank_and_size(mesh: DeviceMesh) -> tuple[int, int]:
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = torch.float32, reshard_after_forward: bool = True,
-               cpu_offload: bool = False, prefetch: bool = False) -> None:
+               cpu_offload: bool = False, prefetch: bool = False, ignored_params: set | None = None) -> None:
     """FSDP2: `fully_shard` on each block, then on the root (embedding, final norm, output), bottom-up. A 1-D
     mesh shards over it; a 2-D (dp_replicate, dp_shard) mesh is HSDP (shard inside a group, replicate across).
     `param_dtype` bf16 computes in bf16 from fp32 master weights, with gradients reduced in `reduce_dtype`.
@@ -45,7 +45,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype |
     memory, one all-gather less per group and step); True frees them, the root's too (fully_shard's own default
     would keep the root's, which backward needs first: a trade the recipe makes for memory).
     `cpu_offload` keeps the shards, their gradients and the optimizer step in CPU memory. `prefetch` has block
-    i's forward issue block i+1's all-gather, and block i+1's backward block i's (explicit, one block ahead)."""
+    i's forward issue block i+1's all-gather, and block i+1's backward block i's (explicit, one block ahead).
+    `ignored_params`: weights FSDP2 leaves as they are (neither sharded nor reduced), such as experts that expert
+    parallelism already shares out over other ranks (notebook 08b)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None)
@@ -53,9 +55,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype |
     blocks = list(model.layers.values())
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload,
-                reshard_after_forward=reshard_after_forward)
+                reshard_after_forward=reshard_after_forward, ignored_params=ignored_params)
     if prefetch:
         for current, following in zip(blocks, blocks[1:]):
             current.set_modules_to_forward_prefetch([following])
@@ -74,17 +76,24 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn
 
 def clip_grad_norm_(parameters, max_norm: float, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """Clip the gradients of all parameters together and return their total norm. Works on DTensor gradients
-    (FSDP2, TP: the norm of the pieces is reduced over the mesh); with a pipeline each stage has its own
-    parameters, so the squared norms of the stages are summed over `pp_mesh` first (as torchtitan does)."""
+    (FSDP2, TP: the norm of the pieces is reduced over the mesh), also on several meshes at once (experts on
+    their own, notebook 08b: a foreach op takes one mesh, so each mesh's norm is taken apart, then combined); with
+    a pipeline each stage has its own parameters, so the squared norms of the stages are summed over `pp_mesh`
+    first (as torchtitan does)."""
     from torch.distributed.tensor import DTensor
 
-    parameters = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    by_mesh = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True) for group in by_mesh.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    total = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
+
     if pp_mesh is not None and pp_mesh.size() > 1:
         total = total ** 2
         dist.all_reduce(total, group=pp_mesh.get_group())
         total = total ** 0.5
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

@@ -1089,6 +1089,9 @@ def check_context_and_experts(train: Training, layout: Layout) -> None:
     if train.moe_experts and (layout.tp > 1 or layout.pp > 1 or train.cp > 1):
         raise ValueError("--moe-experts with --tp, --pp or --cp: not built in this recipe (experts over data "
                          "parallel only)")
+    if train.moe_experts and train.compile:
+        raise ValueError("--moe-experts: torch.compile stops at the router's data-dependent row counts, not built "
+                         "here: add --no-compile")
 
 
 ASSUMPTIONS = (
@@ -1361,7 +1364,7 @@ def build_parser() -> Parser:
     g.add_argument("--ac", nargs="+", choices=CHECKPOINTING, default=list(CHECKPOINTING),
                    help="checkpointing modes to try (default: all)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile each block, as the "
-                   "recipe does on GPUs (default, but with --cp: its ring does not compile)")
+                   "recipe does on GPUs (default, but not with --cp or --moe-experts, which the recipe runs eager)")
     g.add_argument("--dp-replicate", type=int, help="fix dp_replicate (default: try every degree)")
     g.add_argument("--dp-shard", type=int, help="fix dp_shard (default: try every degree)")
     g.add_argument("--tp", type=int, help="fix tp (default: every degree within a node)")
@@ -1404,10 +1407,12 @@ def model_from_args(args, parser) -> tuple[GPTConfig, str | None]:
 
 
 def parallel_from_args(args, parser, cfg: GPTConfig, fixed: dict) -> dict:
-    """Training's cp, moe_experts, moe_top_k, ep and compile from the flags (compile by default, but not with --cp),
-    refused in one line where the recipe would refuse them at the fixed degrees."""
+    """Training's cp, moe_experts, moe_top_k, ep and compile from the flags (compile by default, but not with --cp
+    or --moe-experts), refused in one line where the recipe would refuse them at the fixed degrees."""
+    eager = args.cp > 1 or bool(args.moe_experts)
     chosen = {"cp": args.cp, "moe_experts": args.moe_experts, "moe_top_k": args.moe_top_k, "ep": args.ep,
-              "compile": args.cp == 1 if args.compile is None else args.compile}
+              "compile": not eager if args.compile is None else args.compile}
+
     try:
         probe = Training(seq_len=cfg.max_seq_len, **chosen)
         check_context_and_experts(probe, Layout(dp_shard=fixed.get("dp_shard", math.lcm(args.cp, args.ep)),

@@ -50,6 +50,8 @@ from config import PRESETS, GPTConfig, Layout, preset
 from distributed import run_distributed, uses_gpu
 from model import GPT, cross_entropy
 from cp import apply_cp, cp_shard
+from moe import MoE, apply_ep, apply_moe, moe_aux_loss
+
 from pipeline import SCHEDULE_STAGES, StagesView, pipeline_schedule, pipeline_split, pipeline_stage
 from tp import apply_tp
 
@@ -102,6 +104,7 @@ def build_parser() -> Parser:
     g.add_argument("--pp-schedule", choices=list(SCHEDULE_STAGES), default="1f1b", help="1f1b, gpipe: one stage "
                    "per rank; interleaved: two per rank, a smaller bubble; interleaved-zb: two per rank, the weight "
                    "gradients filling the bubble (zero bubble); zbv: refused, it cannot evaluate (notebook 08b)")
+    add_moe_flags(p)
     g = p.add_argument_group("training")
     g.add_argument("--data", nargs="+", help="token files from `train.py prepare` (several: shards of one corpus; "
                    "default: CPython's language reference as bytes)")
@@ -172,8 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    for key in ("tp", "pp", "cp", "dp_replicate", "accum", "steps", "log_every", "keep", "stop_check_every",
-                *SHAPE_FLAGS[:4], "seq_len", "vocab_size"):
+    for key in ("tp", "pp", "cp", "ep", "dp_replicate", "accum", "steps", "log_every", "keep",
+                "stop_check_every", *SHAPE_FLAGS[:4], "seq_len", "vocab_size"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
     missing = [f for f in args.data or [] if not Path(f).is_file()]
@@ -197,14 +200,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             check_schedule(args.pp_schedule, args.pp, args.accum, args.model_config.n_layers, args.compile)
         if args.cp > 1:
             check_context_parallel(args.cp, args.dp_shard, args.tp, args.pp, args.seq_len, args.compile)
+        check_moe(args)
+        args.profile_steps = profile_window(args.profile_steps)
     except ValueError as e:
         parser.error(str(e))
     if args.batch % (dp * args.accum):
         parser.error(f"--batch {args.batch} must be a multiple of data-parallel ranks {dp} x --accum {args.accum}")
-    try:
-        args.profile_steps = profile_window(args.profile_steps)
-    except ValueError as e:
-        parser.error(str(e))
+
     if args.export and args.pp > 1 and not args.ckpt_dir:
         parser.error("--export with --pp needs --ckpt-dir: no rank holds the whole model, the checkpoint does")
     return args
@@ -310,6 +312,7 @@ class Built:
                                    cfg, args.seq_len)
         self.dp_rank, self.dp = par.dp_rank_and_size(self.mesh)
         self.cp_mesh = context_parallel_mesh(args, device.type)
+        self.ep_mesh, self.expert_replicas = expert_meshes(args, device.type)
         self.data_rank, self.data_dp = self.dp_rank // args.cp, self.dp // args.cp   # cp peers read one batch
         self.tp_rank = self.mesh.get_local_rank("tp")
         self.dtype = DTYPES[args.dtype]
@@ -317,7 +320,7 @@ class Built:
         self.ddp = uses_ddp(args)
         chunks, style = SCHEDULE_STAGES[args.pp_schedule] if args.pp > 1 else (1, "loop")
         self.parts, self.model, self.train_model = build_model(args, cfg, self.mesh, device, self.dtype, chunks, style,
-                                                               self.cp_mesh)
+                                                               self.cp_mesh, self.ep_mesh)
         self.stages = [pipeline_stage(part, self.mesh["pp"], device, chunk, chunks, style)
                        for chunk, part in enumerate(self.parts)] if args.pp > 1 else []
         self.first_stage = args.pp == 1 or any(s.is_first for s in self.stages)    # a V: both ends on rank 0
@@ -374,8 +377,10 @@ def layout_name(args) -> str:
         parts.append(f"DDP {args.dp_replicate}")
     if args.tp > 1:
         parts.append(f"TP {args.tp}")
-    if args.cp > 1:                                  # its ranks are some of the data-parallel ones
-        parts[-1] += f" (CP {args.cp} among them)"
+    for flag, name in (("cp", "CP"), ("ep", "EP")):      # their ranks are some of the data-parallel ones
+        if getattr(args, flag) > 1:
+            parts[-1] += f" ({name} {getattr(args, flag)} among them)"
+
     return " x ".join(parts) or "one process"
 
 
@@ -399,24 +404,26 @@ def this_ranks_tokens(x, y, cp_mesh, device: torch.device):
 
 
 def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype, chunks: int = 1,
-                style: str = "loop", cp_mesh=None):
+                style: str = "loop", cp_mesh=None, ep_mesh=None):
     """The model made parallel by the layout, in torchtitan's order: built on the meta device, cut into this rank's
     pipeline stage, tensor parallel, activation checkpointing, compiled, sharded by FSDP2; then to_empty and
     init_weights make this rank's pieces real (or --init-from's weights, each rank reading only the tensors its
     pieces come from). A schedule with `chunks` stages per rank gets one model per stage, each cut from its own
     copy (placed as `style` says). Returns (this rank's models, one per stage; the model the optimizer and the
     checkpoint see: the one, or a StagesView of the several; the module the step calls: DDP's or the model)."""
-    parts = [build_part(args, cfg, mesh, device, dtype, chunk, chunks, style, cp_mesh) for chunk in range(chunks)]
+    parts = [build_part(args, cfg, mesh, device, dtype, chunk, chunks, style, cp_mesh, ep_mesh)
+             for chunk in range(chunks)]
     model = parts[0] if chunks == 1 else StagesView(parts)
     return parts, model, par.apply_ddp(model, mesh["dp_replicate"], device) if uses_ddp(args) else model
 
 
 def build_part(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype, chunk: int = 0,
-               chunks: int = 1, style: str = "loop", cp_mesh=None):
+               chunks: int = 1, style: str = "loop", cp_mesh=None, ep_mesh=None):
     """build_model's model, or with a pipeline the stage `chunk` of this rank's `chunks`; with `cp_mesh`, its
-    attention a ring over the context-parallel ranks."""
+    attention a ring over the context-parallel ranks; with --moe-experts, experts (over `ep_mesh`'s ranks)."""
     with torch.device("meta"):                    # no memory yet: each rank materializes only its pieces
         model = GPT(cfg)
+    shared_out = apply_experts(model, args, ep_mesh)     # the experts --ep shares out, which FSDP2 leaves alone
     if args.pp > 1:
         model = pipeline_split(model, mesh["pp"], chunk, chunks, style)
     if cp_mesh is not None:
@@ -429,12 +436,108 @@ def build_part(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dt
     if uses_fsdp(args):
         dims = ("dp_replicate", "dp_shard") if args.dp_replicate > 1 else ("dp_shard",)
         par.apply_fsdp(model, mesh[dims], param_dtype=dtype if dtype != torch.float32 else None,
-                       reshard_after_forward=args.pp == 1)
+                       reshard_after_forward=args.pp == 1, ignored_params=shared_out)
     model.to_empty(device=device)
     model.init_weights(args.seed)
     if args.init_from and not (args.ckpt_dir and ckpt.latest(args.ckpt_dir)):     # a resume wins
         ckpt.load_hf(model, args.init_from)
     return model
+
+
+# ------------------------------------------------------------------------- mixture of experts (notebook 08b's moe.py)
+def add_moe_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts (notebook 08b)")
+    g.add_argument("--moe-experts", type=int, default=0, help="each block's feed-forward becomes this many SwiGLU "
+                   "experts of its size, top-k routed per token, dropless (0: the dense Llama)")
+    g.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
+    g.add_argument("--ep", type=int, default=1, help="expert parallel: the experts shared out over this many ranks, "
+                   "the tokens sent to them by all-to-all; taken out of --dp-shard")
+    g.add_argument("--moe-aux-weight", type=float, default=0.01, help="the load-balancing loss's weight (Switch "
+                   "Transformer's), over each rank's micro-batch")
+
+
+def check_moe(args) -> None:
+    """What --moe-experts and --ep need, in one line (ValueError): experts beside data parallelism only; --ep ranks
+    out of --dp-shard's, each holding experts / ep of them; eager blocks; a model whose file and checkpoint a dense
+    Llama's readers (export, generate.py, --init-from) would misread is refused before it is trained."""
+    if args.moe_experts < 0 or (args.ep > 1 and not args.moe_experts):
+        raise ValueError(f"--ep {args.ep} shares out experts: it needs --moe-experts > 0 (got {args.moe_experts})")
+    if not args.moe_experts:
+        return
+    if not 1 <= args.moe_top_k <= args.moe_experts:
+        raise ValueError(f"--moe-top-k {args.moe_top_k} must be between 1 and --moe-experts {args.moe_experts}")
+    if args.tp > 1 or args.pp > 1 or args.cp > 1:
+        raise ValueError("--moe-experts with --tp, --pp or --cp: not built in this recipe (experts beside data "
+                         "parallel only)")
+    if args.dp_shard % args.ep or args.moe_experts % args.ep:
+        raise ValueError(f"--ep {args.ep} ranks come out of --dp-shard {args.dp_shard} and share out "
+                         f"{args.moe_experts} experts: it must divide both")
+    if args.compile:
+        raise ValueError("--moe-experts: torch.compile stops at the router's data-dependent row counts, not built "
+                         "here: add --no-compile")
+    if args.init_from or args.export:
+        raise ValueError(f"--moe-experts with --{'init-from' if args.init_from else 'export'}: those read and write "
+                         "the dense Llama, which has no experts")
+
+
+def expert_meshes(args, device_type: str):
+    """(this rank's expert-parallel peers, the ranks holding the same experts as it), or (None, None) without
+    --ep: ep consecutive ranks of each dp_shard group share out the experts (torchtitan carves ep out of dp_shard
+    too). Experts refuse tp, pp and cp, so the world is dp_replicate x dp_shard, ranks in that order."""
+    if args.ep == 1:
+        return None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = args.dp_replicate * args.dp_shard
+    mesh = init_device_mesh(device_type, (world // args.ep, args.ep), mesh_dim_names=("ep_replica", "ep"))
+    return mesh["ep"], mesh["ep_replica"]
+
+
+def apply_experts(model, args, ep_mesh) -> set | None:
+    """--moe-experts: each block's feed-forward becomes an MoE (meta weights, before FSDP2). Without ep_mesh its
+    experts are weights like the others (FSDP2 shards and averages them); with it, Shard(0) DTensors over the ep
+    ranks, returned for FSDP2 to leave alone (its ignored_params; `average_expert_grads` reduces them)."""
+    if not args.moe_experts:
+        return None
+    apply_moe(model, args.moe_experts, args.moe_top_k)
+    if ep_mesh is None:
+        return None
+    apply_ep(model, ep_mesh)
+    return {p for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
+
+
+def average_expert_grads(model, replicas, dp: int) -> None:
+    """For the experts FSDP2 leaves alone, what it does for the other weights: an expert's gradient holds the
+    tokens its ep group sent it (the all-to-all's backward brought them), so it is summed over the ranks that hold
+    the same experts (`replicas`) and divided by every data-parallel rank: the global batch's mean, like the rest."""
+    for moe in [m for m in model.modules() if isinstance(m, MoE) and m.ep_group is not None]:
+        for p in moe.experts.parameters():
+            grad = p.grad.to_local()
+            if replicas.size() > 1:
+                dist.all_reduce(grad, group=replicas.get_group())
+            grad.div_(dp)
+
+
+def balance_loss(model, args):
+    """The load-balancing loss's share of the loss that backward takes (0 without experts). Over this rank's
+    micro-batch, as Switch Transformer and torchtitan compute it, so a layout's ranks equal one process's
+    micro-batches (--accum), not its whole batch."""
+    return args.moe_aux_weight * moe_aux_loss(model) if args.moe_experts else 0.0
+
+
+def moe_extra_flops(cfg: GPTConfig, args) -> int:
+    """Training FLOPs per token that experts add to the dense Llama's (config.flops_per_token): the router (dim x
+    experts) and k - 1 more feed-forwards of the dense size. MFU counts the weights a token uses, not all of them."""
+    if not args.moe_experts:
+        return 0
+    return 6 * cfg.n_layers * (cfg.dim * args.moe_experts + (args.moe_top_k - 1) * 3 * cfg.dim * cfg.hidden)
+
+
+def parameter_count(cfg: GPTConfig, args) -> int:
+    """Every weight of the model as built: the dense Llama's, each block's feed-forward --moe-experts times over,
+    and a router beside them."""
+    per_block = (args.moe_experts - 1) * 3 * cfg.dim * cfg.hidden + cfg.dim * args.moe_experts
+    return cfg.num_params() + (cfg.n_layers * per_block if args.moe_experts else 0)
 
 
 def lr_lambda(warmup: int, steps: int, min_ratio: float):
@@ -449,12 +552,16 @@ def lr_lambda(warmup: int, steps: int, min_ratio: float):
 
 def build_optimizer(model, args):
     """AdamW, with weight decay on the matrices and embeddings only (not the norms' weights), and its learning-rate
-    schedule. Built after FSDP2: its parameters are the sharded DTensors, so its state is sharded too."""
-    decay = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
-    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
-    groups = [g for g in ({"params": decay, "weight_decay": args.weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    schedule. Built after FSDP2: its parameters are the sharded DTensors, so its state is sharded too. A group per
+    weight decay and DTensor mesh: AdamW's foreach kernels take one mesh at a time (--ep's experts have their own)."""
+    from torch.distributed.tensor import DTensor
+
+    groups = {}
+    for name, p in model.named_parameters():
+        decay = 0.0 if name.endswith("norm.weight") else args.weight_decay
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault((decay, mesh), {"params": [], "weight_decay": decay})["params"].append(p)
+    optimizer = torch.optim.AdamW(list(groups.values()), lr=args.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps, args.min_lr_ratio))
     return optimizer, scheduler
 
@@ -489,7 +596,7 @@ class Stepper(Built):
             with self._context(), (contextlib.nullcontext() if sync else self.train_model.no_sync()):
                 micro_loss = cross_entropy(self.train_model(x), y)
                 micro_loss = micro_loss / accum if accum > 1 else micro_loss
-                micro_loss.backward()
+                (micro_loss + balance_loss(self.model, self.args) / accum).backward()   # MoE: + load balancing
             part = plain(micro_loss).detach()
             loss = part if loss is None else loss + part
         return loss
@@ -514,6 +621,7 @@ class Stepper(Built):
                 torch.zeros((), device=self.device)
         else:
             loss = self._accumulate()
+        average_expert_grads(self.model, self.expert_replicas, self.dp)     # --ep: what FSDP2 does for the rest
         if args.clip > 0:
             norm = par.clip_grad_norm_(self.model.parameters(), args.clip, self.mesh["pp"] if args.pp > 1 else None)
         else:
@@ -685,7 +793,7 @@ class Meter(Window):
         else:
             self.peak = self.measured_peak
             self.peak_source = f"the matmul rate measured here (no datasheet row for {device.type} devices)"
-        self.args, self.flops_per_token = args, cfg.flops_per_token(args.seq_len)
+        self.args, self.flops_per_token = args, cfg.flops_per_token(args.seq_len) + moe_extra_flops(cfg, args)
         self.tokens_per_step = args.batch * args.seq_len
         self.tokens_per_s = self.mfu = self.mfu_measured = self.memory_gib = 0.0
         self.reserved_gib = None
@@ -908,9 +1016,11 @@ def train(device: torch.device, args) -> dict:
         "initialised"
     if resumed and not checkpointer.rng_restored:
         source += " (its random generators were saved at another world size: reseeded)"
-    log(rank, f"training a {cfg.num_params() / 1e6:.2f}M-parameter Llama ({cfg.n_layers} layers, dim {cfg.dim}, "
-              f"{cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads, vocabulary {cfg.vocab_size}) on {world} "
-              f"{device.type} rank{'s' * (world > 1)} as {layout_name(args)}, {args.dtype}"
+    experts = f", {args.moe_experts} experts a block, top {args.moe_top_k}" if args.moe_experts else ""
+    log(rank, f"training a {parameter_count(cfg, args) / 1e6:.2f}M-parameter Llama ({cfg.n_layers} layers, dim "
+              f"{cfg.dim}, {cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads{experts}, vocabulary "
+              f"{cfg.vocab_size}) on {world} {device.type} rank{'s' * (world > 1)} as {layout_name(args)}, {args.dtype}"
+
               f"{', compiled' if args.compile else ''}: steps {trainer.state.step + 1} to {args.steps} of "
               f"{args.batch} x {args.seq_len} tokens, {source}; MFU against {meter.peak / 1e12:.4g} TFLOP/s, "
               f"{meter.peak_source}; measured matmul peak {meter.measured_peak / 1e12:.3g} TFLOP/s in all; a line "
@@ -935,7 +1045,8 @@ def train(device: torch.device, args) -> dict:
             metrics.close()
     dist.barrier()
     return {"rank": rank, "step": trainer.state.step, "eval_loss": eval_loss, "stopped": stopped,
-            "seconds": time.perf_counter() - started, **meter.figures(), "parameters": cfg.num_params(),
+            "seconds": time.perf_counter() - started, **meter.figures(), "parameters": parameter_count(cfg, args),
+
             "world_size": world, "device": device.type,
             "checkpoint": str(ckpt.latest(args.ckpt_dir)) if args.ckpt_dir else None}
 
