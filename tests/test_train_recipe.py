@@ -154,7 +154,7 @@ def runs(workspace) -> dict[str, Result]:
         Job("cp", ["--cp", "2"], 2),       # each sequence split over the 2 ranks: ring attention (cp.py)
         # experts: 2 ranks, each holding half of them, against one process whose 2 micro-batches are their halves
         Job("moe_one", [*MOE, "--accum", "2", "--ckpt-dir", "ck_moe_one"], 1),
-        Job("moe_ep", [*MOE, "--ep", "2", "--ckpt-dir", "ck_moe_ep"], 2),
+        Job("moe_ep", [*MOE, "--ep", "2", "--ac", "alternate", "--ckpt-dir", "ck_moe_ep"], 2),
     ], PARALLEL, ["tokens.bin"])
     saved = root / "st" / "results.json"
     for name, fields in (json.loads(saved.read_text()) if saved.exists() else {}).items():
@@ -257,7 +257,8 @@ def test_two_pipeline_stages_per_rank_match_one_process(runs, layout):
 
 def test_experts_shared_out_over_two_ranks_match_one_process(runs, workspace):
     """--moe-experts 4 --ep 2: each rank holds 2 experts (FSDP2 leaves them alone), tokens travel by all-to-all, and
-    each expert's gradient is summed over the ranks and divided by them. One process with --accum 2 computes the same
+    each expert's gradient is summed over the ranks and divided by them; every other block checkpointed (--ac
+    alternate: its backward recomputes the routing and the all-to-alls, which must change nothing). One process with --accum 2 computes the same
     step: its micro-batches are the ranks' halves of the batch, the load-balancing loss taken over each. Losses and
     gradient norms agree (AdamW forgives a gradient's scale: the norm, and the clipping it drives, does not), and the
     checkpoint holds every expert whole under the one-process run's names, with its weights."""
