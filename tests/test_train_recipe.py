@@ -297,13 +297,15 @@ def test_experts_shared_out_over_two_ranks_match_one_process(runs, workspace):
         torch.testing.assert_close(states[1][key], want, rtol=0, atol=1e-4, msg=key)
 
 
-def test_a_checkpoint_of_experts_is_refused_by_the_dense_exports_in_one_line(workspace, runs):
-    from checkpoint import full_model_state
+def test_a_checkpoint_of_experts_is_refused_by_the_dense_exports_in_one_line(workspace, runs, capsys):
+    import train
 
     root, _ = workspace
-    with pytest.raises(ValueError, match="holds a mixture of experts") as refused:
-        full_model_state(root / "ck_moe_ep" / "step_00000004")
-    assert "\n" not in str(refused.value)
+    for form in ("pt", "hf"):
+        with pytest.raises(SystemExit) as refused:
+            train.export_main(["--ckpt-dir", str(root / "ck_moe_ep"), "--format", form, "--out", str(root / "x")])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert refused.value.code == 2 and len(lines) == 1 and "holds a mixture of experts" in lines[0], lines
 
 
 def test_two_stages_per_rank_save_the_whole_models_checkpoint(runs, workspace):

@@ -1065,10 +1065,14 @@ def export_main(argv: list[str]) -> None:
     source = path if (path / ".metadata").exists() else ckpt.latest(path)
     if source is None:
         parser.error(f"no committed checkpoint in {path}")
-    if args.format == "hf":
-        ckpt.export_hf(source, args.out, DTYPES[args.dtype])
-    else:
-        ckpt.export(source, args.out)
+    try:
+        if args.format == "hf":
+            ckpt.export_hf(source, args.out, DTYPES[args.dtype])
+        else:
+            ckpt.export(source, args.out)
+    except ValueError as e:           # a checkpoint these exports cannot read (one of experts): one line, status 2
+        parser.error(str(e))
+
     print(f"exported {source} to {args.out} ({args.format})", flush=True)
 
 
