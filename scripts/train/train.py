@@ -387,7 +387,10 @@ def layout_name(args) -> str:
 def context_parallel_mesh(args, device_type: str):
     """The mesh of this rank's context-parallel peers, or None without --cp: cp consecutive ranks of each dp_shard
     group (torchtitan's dp_shard_cp). FSDP2 still shards over all of dp_shard, so its gradient average includes
-    the peers' partial gradients, each over its part of the same sequences."""
+    the peers' partial gradients, each over its part of the same sequences. A second mesh over the same ranks, not
+    a dimension of build_mesh's: FSDP2 needs dp_shard as one dimension, and joining two dimensions into one takes
+    DeviceMesh's private _flatten (torchtitan's way); expert_meshes does the same."""
+
     if args.cp == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
