@@ -36,28 +36,18 @@ def test_scale_trajectory_rules():
     assert amp_bench.scale_trajectory(1.0, [False, True, False, False], growth_interval=2) == [1.0, 1.0, 0.5, 0.5]
 
 
-def test_fp32_matmul_precision_sets_and_restores():
-    before = torch.backends.cuda.matmul.fp32_precision
-    with amp_bench.fp32_matmul_precision("tf32"):
-        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
-    assert torch.backends.cuda.matmul.fp32_precision == before
-    with pytest.raises(ValueError):
-        with amp_bench.fp32_matmul_precision("high"):
-            pass
-
-
-def test_matmul_flops_is_a_plausible_rate():
-    configs = {"fp32": (torch.float32, "ieee"), "bf16": (torch.bfloat16, "ieee")}
-    flops = amp_bench.matmul_flops("cpu", configs, 64, 64, 64, min_seconds=0.005, repeats=2)
-    assert set(flops) == {"fp32", "bf16"}
+def test_matmul_flops_is_a_plausible_rate_and_sets_each_configs_precision_before_its_bursts():
+    configs = {"fp32": (torch.float32, "ieee"), "tf32": (torch.float32, "tf32"), "bf16": (torch.bfloat16, "ieee")}
+    asked = []
+    flops = amp_bench.matmul_flops("cpu", configs, 64, 64, 64, asked.append, min_seconds=0.005, repeats=2)
+    assert set(flops) == set(configs)
     assert all(1e6 < f < 1e15 for f in flops.values()), flops
+    assert asked == ["ieee", "tf32", "ieee"] * 3, "a probe per config, then each of the 2 rounds, in order"
 
 
 def test_matmul_error_orders_formats_by_mantissa():
-    e32 = amp_bench.matmul_error("cpu", torch.float32, n=64)
-    e16 = amp_bench.matmul_error("cpu", torch.float16, n=64)
-    eb16 = amp_bench.matmul_error("cpu", torch.bfloat16, n=64)
+    e32, e16, eb16 = (amp_bench.matmul_error("cpu", dtype, lambda precision: None, n=64)
+                      for dtype in (torch.float32, torch.float16, torch.bfloat16))
     assert eb16 > e16 > e32 > 0
     assert e32 < 1e-5 and eb16 < 2.0 ** -6  # bounded by the output rounding of each format, roughly
 
@@ -72,17 +62,6 @@ def test_cpu_low_precision_reports_consistent_facts():
 def test_ratio_with_noise_brackets_the_median():
     r = amp_bench.ratio_with_noise([1.0, 1.2, 1.1, 0.9, 1.3, 1.05])
     assert r["low"] <= r["median"] <= r["high"] and r["median"] == pytest.approx(1.075)
-
-
-def test_fp32_matmul_precision_falls_back_to_allow_tf32(monkeypatch):
-    # A torch without the per-backend fp32_precision settings (as some builds are): the booleans are used.
-    class OldCuBLAS:
-        allow_tf32 = False
-
-    monkeypatch.setattr(torch.backends.cuda, "matmul", OldCuBLAS())
-    with amp_bench.fp32_matmul_precision("tf32"):
-        assert torch.backends.cuda.matmul.allow_tf32 is True
-    assert torch.backends.cuda.matmul.allow_tf32 is False
 
 
 def test_bench_summary_takes_medians_of_side_by_side_ratios(capsys):
@@ -126,7 +105,6 @@ def test_notebook_05_full_size_gpu_model_has_over_100m_parameters(monkeypatch):
     # GPU_SIZES, built (on the meta device: shapes only) as the notebook builds it (the recipe's preset "tiny" at
     # those sizes, on its 256 byte tokens).
     import json
-    import sys
 
     from helpers.paths import NOTEBOOKS, SCRIPTS
 
@@ -181,18 +159,13 @@ def test_headline_speedups_skips_the_baseline_and_reports_every_ceiling(capsys):
                                                     "bf16 matmul throughput, 384³: 4 TFLOP/s"]
 
 
-def test_fp32_matmul_precision_yields_the_settings_in_force():
-    with amp_bench.fp32_matmul_precision("tf32") as inside:
-        assert inside == amp_bench.fp32_settings() and "tf32" in set(inside.values())
-    with amp_bench.fp32_matmul_precision("ieee") as inside:
-        assert set(inside.values()) <= {"ieee", "False"}
-
-
 def test_ceilings_measure_every_eager_format_on_the_named_device():
     modes = {"fp32": {"dtype": torch.float32, "fp32_precision": "ieee"},
              "bf16": {"dtype": torch.bfloat16, "fp32_precision": "ieee"},
              "bf16 + compile": {"dtype": torch.bfloat16, "fp32_precision": "ieee", "compile": True}}
-    out = amp_bench.ceilings(CPU, modes, mlp_shape=(16, 8, 32), ceiling_n=32)
+    asked = []
+    out = amp_bench.ceilings(CPU, modes, asked.append, mlp_shape=(16, 8, 32), ceiling_n=32)
+    assert set(asked) == {"ieee"}, "every eager format's own setting, through the worker's switch"
     assert out["hardware"]["gpu"] is False
     assert set(out["flops_model"]) == set(out["flops_square"]) == set(out["errors"]) == {"fp32", "bf16"}
     assert out["errors"]["bf16"] > out["errors"]["fp32"]

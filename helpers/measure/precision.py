@@ -7,7 +7,6 @@ training step and compares the two. Everything here runs in a worker (it may tou
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
@@ -66,52 +65,11 @@ def cpu_low_precision() -> dict:
     }
 
 
-def _tf32_settings() -> list[tuple[object, str]]:
-    """(settings object, attribute) pairs that choose TF32 or true fp32, whichever this torch has.
-
-    torch >= 2.9 has per-backend `fp32_precision` ("ieee" / "tf32") on `torch.backends.cuda.matmul` (cuBLAS),
-    `torch.backends.cudnn.conv` and `torch.backends.mkldnn.matmul` (oneDNN, CPU); older builds (and any build
-    that lacks one of them) have the boolean `allow_tf32` on `torch.backends.cuda.matmul` and `torch.backends.cudnn`.
-    """
-    found = []
-    cudnn_conv = getattr(torch.backends.cudnn, "conv", None)
-    for new_home, old_home in ((torch.backends.cuda.matmul, torch.backends.cuda.matmul),
-                               (cudnn_conv, torch.backends.cudnn)):
-        if new_home is not None and hasattr(new_home, "fp32_precision"):
-            found.append((new_home, "fp32_precision"))
-        elif hasattr(old_home, "allow_tf32"):
-            found.append((old_home, "allow_tf32"))
-    mkldnn_matmul = getattr(torch.backends.mkldnn, "matmul", None)
-    if mkldnn_matmul is not None and hasattr(mkldnn_matmul, "fp32_precision"):
-        found.append((mkldnn_matmul, "fp32_precision"))
-    return found
-
-
-@contextlib.contextmanager
-def fp32_matmul_precision(precision: str):
-    """Run fp32 matmuls as 'ieee' (true fp32) or 'tf32', with whichever setting this torch has.
-
-    `torch.backends.cuda.matmul.fp32_precision` (cuBLAS) and `torch.backends.cudnn.conv.fp32_precision` replaced
-    `allow_tf32` and `torch.set_float32_matmul_precision('high')` in torch 2.9; where they are missing the
-    `allow_tf32` booleans are set instead. The previous values are restored on exit. Yields the settings in
-    force inside (`fp32_settings()`), so a caller can record what a run really ran with.
-    """
-    if precision not in ("ieee", "tf32"):
-        raise ValueError(f"precision must be 'ieee' or 'tf32', not {precision!r}")
-    settings = _tf32_settings()
-    old = [getattr(home, name) for home, name in settings]
-    try:
-        for home, name in settings:
-            setattr(home, name, precision if name == "fp32_precision" else precision == "tf32")
-        yield fp32_settings()
-    finally:
-        for (home, name), value in zip(settings, old):
-            setattr(home, name, value)
-
-
-def matmul_flops(device, configs: dict[str, tuple[torch.dtype, str]], m: int, k: int, n: int,
+def matmul_flops(device, configs: dict[str, tuple[torch.dtype, str]], m: int, k: int, n: int, set_fp32_precision,
                  min_seconds: float = 0.05, max_iters: int = 200, repeats: int = 7, seed: int = 0) -> dict[str, float]:
-    """Measured FLOP/s of (m x k) @ (k x n) for each config {name: (dtype, fp32 precision)} on `device`.
+    """Measured FLOP/s of (m x k) @ (k x n) for each config {name: (dtype, fp32 precision)} on `device`, each burst
+    after `set_fp32_precision(precision)`: notebook 05's own switch (its cell), which the worker hands in, so that
+    the ceilings and the steps they bound run under the one TF32 setting. It leaves the last config's set.
 
     A ceiling is what the hardware can do, so each config keeps its best burst; the bursts of all configs are
     interleaved (config A, B, C, then A, B, C again...) so that a neighbour who takes the CPU for a while slows
@@ -125,36 +83,38 @@ def matmul_flops(device, configs: dict[str, tuple[torch.dtype, str]], m: int, k:
     for name, (dtype, precision) in configs.items():
         a, b = a32.to(device=device, dtype=dtype), b32.to(device=device, dtype=dtype)
         operands[name] = (a, b, precision)
-        with fp32_matmul_precision(precision):
-            a @ b
-            synchronize(device)
-            t0 = time.perf_counter()
-            a @ b
-            synchronize(device)
-            once = max(time.perf_counter() - t0, 1e-7)
+        set_fp32_precision(precision)
+        a @ b
+        synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        once = max(time.perf_counter() - t0, 1e-7)
         iters[name] = int(min(max_iters, max(1, min_seconds / once)))
         best[name] = 0.0
     for _ in range(repeats):
         for name, (a, b, precision) in operands.items():
-            with fp32_matmul_precision(precision):
-                synchronize(device)
-                t0 = time.perf_counter()
-                for _ in range(iters[name]):
-                    a @ b
-                synchronize(device)
-                best[name] = max(best[name], flops * iters[name] / (time.perf_counter() - t0))
+            set_fp32_precision(precision)
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(iters[name]):
+                a @ b
+            synchronize(device)
+            best[name] = max(best[name], flops * iters[name] / (time.perf_counter() - t0))
     return best
 
 
-def matmul_error(device, dtype: torch.dtype, n: int = 512, precision: str = "ieee", seed: int = 0) -> float:
-    """Relative error (max |C - C64| / max |C64|) of one n x n matmul against the same product in float64."""
+def matmul_error(device, dtype: torch.dtype, set_fp32_precision, n: int = 512, precision: str = "ieee",
+                 seed: int = 0) -> float:
+    """Relative error (max |C - C64| / max |C64|) of one n x n matmul against the same product in float64, after
+    `set_fp32_precision(precision)` (see `matmul_flops`)."""
     device = torch.device(device)
     g = torch.Generator(device="cpu").manual_seed(seed)
     a64 = torch.randn(n, n, generator=g, dtype=torch.float64)
     b64 = torch.randn(n, n, generator=g, dtype=torch.float64)
     exact = a64 @ b64
-    with fp32_matmul_precision(precision):
-        c = (a64.to(device=device, dtype=dtype) @ b64.to(device=device, dtype=dtype)).double().cpu()
+    set_fp32_precision(precision)
+    c = (a64.to(device=device, dtype=dtype) @ b64.to(device=device, dtype=dtype)).double().cpu()
     return float((c - exact).abs().max() / exact.abs().max())
 
 
@@ -215,28 +175,21 @@ def hardware_formats(device: torch.device) -> dict:
             "bf16": c["bf16_hardware"], "fp16": c["fp16_hardware"], "tf32": False}
 
 
-def fp32_settings() -> dict[str, str]:
-    """The TF32 settings in force now, as 'home.name' -> value: only the names `fp32_matmul_precision` sets, so
-    reading them never mixes the legacy and the new API (which raises once a new one is set)."""
-    backends = torch.backends
-    labels = [(backends.cuda.matmul, "cuda.matmul"), (getattr(backends.cudnn, "conv", None), "cudnn.conv"),
-              (backends.cudnn, "cudnn"), (getattr(backends.mkldnn, "matmul", None), "mkldnn.matmul")]
-    return {f"{next((label for obj, label in labels if obj is home), type(home).__name__)}.{name}":
-            str(getattr(home, name)) for home, name in _tf32_settings()}
-
-
-def ceilings(device, modes: dict[str, dict], mlp_shape: tuple[int, int, int], ceiling_n: int,
+def ceilings(device, modes: dict[str, dict], set_fp32_precision, mlp_shape: tuple[int, int, int], ceiling_n: int,
              repeats: int = 7) -> dict:
     """What the hardware itself can do for each mode's format, measured in the worker that times the steps: its
     name and formats (`hardware_formats`), the matmul FLOP/s at the model's MLP shape (tokens, d, 4d) and at a large
     square (`ceiling_n`), each the best of `repeats` interleaved bursts (`matmul_flops`), and the relative error of
-    one matmul against float64. Compiled modes share their format's."""
+    one matmul against float64. Compiled modes share their format's. Each mode's TF32 setting through the worker's
+    `set_fp32_precision`, the switch its steps use."""
     device = torch.device(device)
     dtype_of = {n: (m["dtype"], m["fp32_precision"]) for n, m in modes.items() if not m.get("compile")}
+    square = (ceiling_n, ceiling_n, ceiling_n)
     return {"hardware": hardware_formats(device),
-            "flops_model": matmul_flops(device, dtype_of, *mlp_shape, repeats=repeats),
-            "flops_square": matmul_flops(device, dtype_of, ceiling_n, ceiling_n, ceiling_n, repeats=repeats),
-            "errors": {n: matmul_error(device, dt, n=256, precision=p) for n, (dt, p) in dtype_of.items()}}
+            "flops_model": matmul_flops(device, dtype_of, *mlp_shape, set_fp32_precision, repeats=repeats),
+            "flops_square": matmul_flops(device, dtype_of, *square, set_fp32_precision, repeats=repeats),
+            "errors": {n: matmul_error(device, dt, set_fp32_precision, n=256, precision=p)
+                       for n, (dt, p) in dtype_of.items()}}
 
 
 def split_warmup(bench: dict, warmup: int) -> dict:
