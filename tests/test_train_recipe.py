@@ -151,7 +151,9 @@ def runs(workspace) -> dict[str, Result]:
         Job("one4", [*LAYERS4, "--ckpt-dir", "ck_one4"], 1),
         Job("pp_interleaved", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved"], 2),
         Job("pp_zero_bubble", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved-zb", "--ckpt-dir", "ck_zb"], 2),
-        Job("cp", ["--cp", "2"], 2),       # each sequence split over the 2 ranks: ring attention (cp.py)
+        # each sequence split over the 2 ranks: ring attention (cp.py), under selective checkpointing, whose policy
+        # recomputes the ring (its ops run with autograd off) rather than keep its score blocks
+        Job("cp", ["--cp", "2", "--ac", "selective"], 2),
         # experts: 2 ranks, each holding half of them, against one process whose 2 micro-batches are their halves
         Job("moe_one", [*MOE, "--accum", "2", "--ckpt-dir", "ck_moe_one"], 1),
         Job("moe_ep", [*MOE, "--ep", "2", "--ac", "alternate", "--ckpt-dir", "ck_moe_ep"], 2),

@@ -22,7 +22,9 @@ def apply_compile(model: nn.Module, backend="inductor") -> None:
 
 def _selective_policy():
     """Per-op selective checkpointing: keep the outputs of the matmuls and of attention (costly to recompute),
-    recompute the rest (norms, rotations, SiLU, the gate's product, adds: cheap, and their outputs are as large)."""
+    recompute the rest (norms, rotations, SiLU, the gate's product, adds: cheap, and their outputs are as large).
+    Ops that run with autograd off, inside a custom autograd.Function's forward (cp.py's ring attention, notebook
+    08b), are recomputed: keeping its chunk x chunk score blocks would cost memory quadratic in the sequence."""
     from torch.ops import aten  # not torch.ops.aten: cloudpickle (notebook 05's workers) cannot pickle torch.ops
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -34,7 +36,9 @@ def _selective_policy():
             save.add(getattr(aten, name).default)
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+        keep = op in save and torch.is_grad_enabled()
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
     return policy
 
 

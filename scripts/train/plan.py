@@ -449,16 +449,17 @@ def selective_block(cfg: GPTConfig, train: Training, tp: int) -> dict[str, float
     w2's, sequence-split). Row-wise projections (wo, w2) output a partial sum over the whole sequence before their
     reduce-scatter, so under tp their outputs do not shrink. Eager checkpointing keeps what its policy names even
     where no backward reads it (wo's and w2's outputs feed only the residual adds); torch.compile's partitioner keeps
-    only what the backward needs, so a compiled block leaves those out (`Training.compile`). Under cp the ring's
-    bmm outputs are kept in place of attention's (`ring_score_blocks`); an MoE keeps its router's logits, and its
-    experts' w1, w3 and w2 outputs per routed row.
+    only what the backward needs, so a compiled block leaves those out (`Training.compile`). Under cp the ring keeps
+    nothing: its ops run inside an autograd.Function's forward, with autograd off, which the policy recomputes (its
+    score blocks, chunk x chunk per head, would be quadratic in seq_len / cp); an MoE keeps its router's logits,
+    and its experts' w1, w3 and w2 outputs per routed row.
     """
     b = _dtype_bytes(train.precision)
     n = rank_tokens(train)
     rows = moe_rows(train) if train.moe_experts else n            # the feed-forward's matmul rows
     d, hidden, kv, mat = cfg.dim, cfg.hidden, cfg.n_kv_heads * cfg.head_dim, b["matmul"]
     titan = train.checkpointing == TORCHTITAN_SELECTIVE
-    attention = ring_score_blocks(cfg, train) if train.cp > 1 else n * d * mat / tp + n * cfg.n_heads * 4 / tp
+    attention = 0.0 if train.cp > 1 else n * d * mat / tp + n * cfg.n_heads * 4 / tp
     terms = {"block input": n * d * b["residual"] / tp,
              "wq output": n * d * mat / tp,
              "wk output": 0.0 if titan else n * kv * mat / tp,
@@ -492,14 +493,6 @@ def ring_activations(cfg: GPTConfig, train: Training) -> dict[str, float]:
     return {"q rotated, k and v repeated": n * (cfg.dim + 2 * kv) * b["matmul"],
             "attention output": 2 * n * cfg.dim * b["matmul"],
             "attention log-sum-exp": n * cfg.n_heads * b["residual"]}
-
-
-def ring_score_blocks(cfg: GPTConfig, train: Training) -> float:
-    """Bytes of the ring's batched matmul outputs in one block's forward: per visible (query chunk, key chunk) pair,
-    2 x cp + 1 on every rank (cp.visible_blocks, balanced), the scores (chunk x chunk per head) and the scores x v.
-    The recipe's selective policy saves every bmm output, these included: quadratic in seq_len / cp."""
-    c, mat = train.seq_len // (2 * train.cp), _dtype_bytes(train.precision)["matmul"]
-    return (2 * train.cp + 1) * train.batch_size * cfg.n_heads * c * (c + cfg.head_dim) * mat
 
 
 def moe_rows(train: Training) -> int:
@@ -1105,7 +1098,7 @@ ASSUMPTIONS = (
     "the measured copy rate; FSDP/DDP traffic hidden but one call per kind, TP, loss and pipeline traffic exposed; "
     "1F1B bubble (pp-1)/(m+pp-1)",
     "context parallel (cp.py's ring): each rank keeps seq_len/cp tokens' activations and the ring's q, k, v, output "
-    "and log-sum-exp (selective checkpointing also the ring's score blocks); k, v and their gradients sent around "
+    "and log-sum-exp (selective checkpointing recomputes the ring whole); k, v and their gradients sent around "
     "the ring, the forward's shifts hidden, the backward's exposed; the ring's eager attention at the matmul rate "
     "plus its score blocks at the memory rate; its backward buffers counted from cp.py, not measured",
     "mixture of experts (moe.py, dropless): parameters, activations and all-to-all bytes as moe.py keeps and sends "
