@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 
 from helpers.measure.activations import LiveSavedBytes
 from helpers.measure.pipeline import (bubble_formula, bubble_table, ir_report, measured_idle_fraction,
-                                      orders_from_ir, orders_from_log, peaks_table, record_actions, replay,
-                                      step_seconds, summarize_runs)
+                                      orders_from_ir, orders_from_log, peaks_table, replay, step_seconds,
+                                      summarize_runs)
+from helpers.paths import SCRIPTS
+
+if str(SCRIPTS / "train") not in sys.path:  # the recipe's modules (notebook 08 writes pipeline.py), as notebooks do
+    sys.path.insert(0, str(SCRIPTS / "train"))
+from pipeline import record_actions  # noqa: E402
 
 
 def gpipe(p: int, m: int) -> dict:

@@ -2,23 +2,22 @@
 
 Why count from the executed order: `torch.distributed.pipelining` schedules describe themselves in an IR
 (`schedule.pipeline_order`, with `None` for idle slots), but for the single-stage schedules (`ScheduleGPipe`,
-`Schedule1F1B`) that IR is only a drawing: their `step` runs its own loop, and in torch 2.13 the IR of `Schedule1F1B`
-even names micro-batch 1 first on the last stage. What a schedule does is the sequence of `forward_one_chunk` /
-`backward_one_chunk` (/ `backward_weight_one_chunk`) calls each stage makes, so `record_actions` wraps those methods
-of a `PipelineStage` and records (stage, 'F' or 'B', micro-batch, start, end) as they run ('I' and 'W' for the
-input and weight halves of a backward the zero-bubble schedules split). `replay` then puts each rank's sequence on a
-clock where every action takes one slot (or the costs given) and each action waits for the one it depends on
-(F of a micro-batch on the previous stage, B on the next stage): the idle slots it counts are the schedule's
-bubble, to compare with the closed form (p - 1)/(v·m + p - 1). The recorded times give the measured idle time.
+`Schedule1F1B`) that IR is only a drawing: their `step` runs its own loop, and in torch 2.13 the IR of
+`Schedule1F1B` even names micro-batch 1 first on the last stage. What a schedule does is the sequence of
+`forward_one_chunk` / `backward_one_chunk` (/ `backward_weight_one_chunk`) calls each stage makes, so
+`record_actions` (notebook 08's cell, the recipe's scripts/train/pipeline.py) wraps those methods of a
+`PipelineStage` and records (stage, 'F' or 'B', micro-batch, start, end) as they run ('I' and 'W' for the input and
+weight halves of a backward the zero-bubble schedules split). `replay` then puts each rank's sequence on a clock
+where every action takes one slot (or the costs given) and each action waits for the one it depends on (F of a
+micro-batch on the previous stage, B on the next stage): the idle slots it counts are the schedule's bubble, to
+compare with the closed form (p - 1)/(v·m + p - 1). The recorded times give the measured idle time.
 
 The bytes a schedule keeps for backward are counted by `helpers.measure.activations.LiveSavedBytes` (the
 activation memory that distinguishes GPipe, all m micro-batches in flight, from 1F1B, at most p - s on stage s).
 """
 from __future__ import annotations
 
-import functools
 import statistics
-import time
 
 import torch
 
@@ -29,28 +28,6 @@ def bubble_formula(stages: int, microbatches: int, chunks_per_rank: int = 1) -> 
     """Idle fraction of a synchronous pipeline step with equal stages: (p - 1)/(v·m + p - 1), p = ranks."""
     p = stages // chunks_per_rank
     return (p - 1) / (chunks_per_rank * microbatches + p - 1)
-
-
-def record_actions(stage, log: list) -> None:
-    """Wrap the stage's `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk` so each call
-    appends (stage_index, kind, micro-batch, start_s, end_s) to `log` (time.perf_counter, comparable across
-    processes of one machine). kind: 'F' forward, 'B' full backward, and for the zero-bubble schedules, which split
-    the backward in two, 'I' (the input gradient, `full_backward=False`) and 'W' (the weight gradient). Notebook 08
-    writes the F and B recorder in its cells; this one, with I and W, is the plumbing 08b hands its workers."""
-    for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-        original = getattr(stage, method)
-
-        @functools.wraps(original)
-        def timed(mb, *args, __original=original, __method=method, **kwargs):
-            kind = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W"}.get(__method) or \
-                ("B" if kwargs.get("full_backward", True) else "I")
-            start = time.perf_counter()
-            try:
-                return __original(mb, *args, **kwargs)
-            finally:
-                log.append((stage.stage_index, kind, int(mb), start, time.perf_counter()))
-
-        setattr(stage, method, timed)
 
 
 def _ready(done: dict, stage: int, kind: str, mb: int, last_stage: int):

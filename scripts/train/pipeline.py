@@ -2,7 +2,8 @@
 #   notebooks/08_pipeline_parallel.ipynb
 # In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
 # Copied into your project, it is yours to edit.
-"""The pipeline split: this rank's stage of the model, its PipelineStage and a schedule."""
+"""The pipeline split: this rank's stage of the model, its PipelineStage, a schedule, and a record of what the
+schedule ran."""
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -86,3 +87,26 @@ class StagesView(nn.Module):
         self.layers = nn.ModuleDict({name: block for m in stages for name, block in m.layers.items()})
         self.norm = next((m.norm for m in stages if m.norm is not None), None)
         self.output = next((m.output for m in stages if m.output is not None), None)
+
+
+def record_actions(stage, log: list) -> None:
+    """Wrap a PipelineStage's work on one micro-batch so that each call appends (stage index, kind, micro-batch,
+    start, end) to `log`, on the host's clock (time.perf_counter: comparable across the processes of one machine).
+    Why: a schedule's own description (`pipeline_order`) is not always what its `step` runs; these calls are.
+    kind: "F" forward, "B" backward and, where a zero-bubble schedule splits a backward in two, "I" (the input's
+    gradient: `backward_one_chunk(full_backward=False)`) and "W" (the weights': `backward_weight_one_chunk`)."""
+    import time
+
+    def recorded(kind, original):
+        def call(mb, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(mb, *args, **kwargs)
+            finally:
+                ran = kind if kwargs.get("full_backward", True) else "I"
+                log.append((stage.stage_index, ran, int(mb), start, time.perf_counter()))
+        return call
+
+    stage.forward_one_chunk = recorded("F", stage.forward_one_chunk)
+    stage.backward_one_chunk = recorded("B", stage.backward_one_chunk)
+    stage.backward_weight_one_chunk = recorded("W", stage.backward_weight_one_chunk)
