@@ -34,9 +34,13 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh, chunk: int = 0, chunks
     embedding and the output count as a block each, the first stages take the remainder). Blocks keep their names,
     so the stages' state dicts together are the whole model's. For several stages per rank, split one copy per
     `chunk` (placed as `style`: SCHEDULE_STAGES)."""
+    return split_at(model, *_stage_index(pp_mesh, chunk, chunks, style))
+
+
+def split_at(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """`pipeline_split` at a stage index given outright, with no mesh (a V's stages are r and 2p - 1 - r)."""
     from config import stage_layers
 
-    stage, n_stages = _stage_index(pp_mesh, chunk, chunks, style)
     names = list(model.layers)
     if len(names) < n_stages:
         raise ValueError(f"{len(names)} layers do not fill {n_stages} stages")
