@@ -154,10 +154,11 @@ def runs(workspace) -> dict[str, Result]:
         # each sequence split over the 2 ranks: ring attention (cp.py), under selective checkpointing, whose policy
         # recomputes the ring (its ops run with autograd off) rather than keep its score blocks
         Job("cp", ["--cp", "2", "--ac", "selective"], 2),
-        # experts: 2 ranks, each holding half of them, against one process whose 2 micro-batches are their halves
-        Job("moe_one", [*MOE, "--accum", "2", "--ckpt-dir", "ck_moe_one"], 1),
-        Job("moe_ep", [*MOE, "--ep", "2", "--ac", "alternate", "--ckpt-dir", "ck_moe_ep"], 2),
-        Job("moe_one4", [*MOE, "--accum", "4"], 1),         # the 4-rank experts' reference (runs4)
+        # experts: 2 ranks, each holding half of them, 2 micro-batches each, against one process whose 4
+        # micro-batches are theirs (the balancing loss is taken over each quarter of the batch in both); the 4-rank
+        # experts' run (runs4) has the same reference
+        Job("moe_one", [*MOE, "--accum", "4", "--ckpt-dir", "ck_moe_one"], 1),
+        Job("moe_ep", [*MOE, "--ep", "2", "--accum", "2", "--ac", "alternate", "--ckpt-dir", "ck_moe_ep"], 2),
     ], PARALLEL, ["tokens.bin"])
     saved = root / "st" / "results.json"
     for name, fields in (json.loads(saved.read_text()) if saved.exists() else {}).items():
@@ -264,9 +265,9 @@ def test_two_pipeline_stages_per_rank_match_one_process(runs, layout):
 def test_experts_shared_out_over_two_ranks_match_one_process(runs, workspace):
     """--moe-experts 4 --ep 2: each rank holds 2 experts (FSDP2 leaves them alone), tokens travel by all-to-all, and
     each expert's gradient is summed over the ranks and divided by them; every other block checkpointed (--ac
-    alternate: its backward recomputes the routing and the all-to-alls, which must change nothing). One process with --accum 2 computes the same
-    step: its micro-batches are the ranks' halves of the batch, the load-balancing loss taken over each. Losses and
-    gradient norms agree (AdamW forgives a gradient's scale: the norm, and the clipping it drives, does not), and the
+    alternate: its backward recomputes the routing and the all-to-alls, which must change nothing), 2 micro-batches
+    each. One process with --accum 4 computes the same step: its micro-batches are the ranks' quarters of the batch,
+    the load-balancing loss taken over each. Losses and gradient norms agree (AdamW forgives a gradient's scale: the norm, and the clipping it drives, does not), and the
     checkpoint holds every expert whole under the one-process run's names, with its weights."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -308,9 +309,9 @@ def test_experts_held_by_two_ranks_each_under_hsdp_match_one_process(runs, runs4
     """4 ranks, HSDP 2 x 2, --ep 2: every expert lives on 2 ranks (one per replica), which sum its gradient; one
     process with --accum 4 computes the same step (its 4 micro-batches are the 4 ranks' quarters of the batch)."""
     _assert_clean(runs4["moe_hsdp_ep"], "moe_hsdp_ep")
-    _assert_same_losses(runs4["moe_hsdp_ep"], runs["moe_one4"], "moe_hsdp_ep")
+    _assert_same_losses(runs4["moe_hsdp_ep"], runs["moe_one"], "moe_hsdp_ep")
     one, four = ({m["step"]: m["grad_norm"] for m in result.metrics if "grad_norm" in m}
-                 for result in (runs["moe_one4"], runs4["moe_hsdp_ep"]))
+                 for result in (runs["moe_one"], runs4["moe_hsdp_ep"]))
     assert sorted(one) == sorted(four) == [1, 2, 3, 4] and all(abs(four[s] - one[s]) <= 1e-4 * one[s] for s in one)
 
 
