@@ -19,7 +19,7 @@ def test_stretches_report_names_each_start_and_its_steps():
             {"world": 2, "restart_count": 0, "group_rank": 0, "last_saved_before": 2, "losses": {}}]
     lines = stretches_report(runs).splitlines()
     assert lines[0].startswith("start 1: world size 1, restart count 0") and lines[0].endswith("trained steps 1..2")
-    assert "last checkpoint saved before it: step 2" in lines[1] and lines[1].endswith("trained steps -..-")
+    assert "newest checkpoint logged before it: step 2" in lines[1] and lines[1].endswith("trained steps -..-")
 
 
 def test_agents_report_keeps_rendezvous_results_and_notable_lines_without_log_prefix():

@@ -40,8 +40,8 @@ def stretches(out) -> list[dict]:
     world, restart_count, group_rank: what torchrun told that rank 0 (WORLD_SIZE, TORCHELASTIC_RESTART_COUNT,
       GROUP_RANK);
     losses: {step: loss} of the steps it trained;
-    last_saved_before: the newest checkpoint logged as saved before it started (0: none), the one it should
-      resume from.
+    last_saved_before: the newest checkpoint logged as saved before it started (0: none). It resumes from that one
+      or a newer one: a worker stopped after a commit but before its log line leaves that checkpoint unlogged.
     """
     starts = [s for s in worker_starts(out) if s["RANK"] == "0"]
     lines = step_lines(out)
@@ -78,11 +78,11 @@ def environment_table(starts: list[dict], columns: list[str]) -> str:
 
 
 def stretches_report(runs: list[dict]) -> str:
-    """One line per start of rank 0 (`stretches`): the world size and restart count torchrun gave it, the
-    checkpoint it should have resumed from and the steps it trained."""
+    """One line per start of rank 0 (`stretches`): the world size and restart count torchrun gave it, the newest
+    checkpoint logged before it and the steps it trained."""
     return "\n".join(
         f"start {i}: world size {run['world']}, restart count {run['restart_count']}, rank 0 on group "
-        f"{run['group_rank']}; last checkpoint saved before it: step {run['last_saved_before']}; trained steps "
+        f"{run['group_rank']}; newest checkpoint logged before it: step {run['last_saved_before']}; trained steps "
         f"{min(run['losses'], default='-')}..{max(run['losses'], default='-')}" for i, run in enumerate(runs, 1))
 
 

@@ -29,10 +29,11 @@ def elastic_trajectory(stretches: list[dict], title: str):
         steps = sorted(stretch["losses"])
         label = f"start {i + 1}: world {stretch['world']}, restart count {stretch['restart_count']}"
         line, = ax.plot(steps, [stretch["losses"][s] for s in steps], "o-", ms=3, lw=1, label=label)
-        if i > 0:
-            ax.axvline(stretch["last_saved_before"], color=line.get_color(), ls="--", lw=1)
+        if i > 0 and steps:  # the checkpoint it resumed from: the step before its first (what it loaded)
+            resumed = steps[0] - 1
+            ax.axvline(resumed, color=line.get_color(), ls="--", lw=1)
             ax.annotate(f"world {stretches[i - 1]['world']}->{stretch['world']}: from step "
-                        f"{stretch['last_saved_before']}", (stretch["last_saved_before"], 0.02),
+                        f"{resumed}", (resumed, 0.02),
                         xycoords=("data", "axes fraction"), rotation=90, va="bottom", ha="right", fontsize=7)
     ax.set(xlabel="global step", ylabel="loss (mean over the global batch)", title=title)
     ax.legend(fontsize=8)
