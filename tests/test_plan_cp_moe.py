@@ -338,3 +338,20 @@ def test_ring_and_experts_keep_and_send_what_the_plan_says_on_two_ranks():
         _expert_checks(results, checkpointing)
     for kind in ("cp", "ep"):
         _fsdp_checks(results, kind)
+
+
+@pytest.mark.parametrize("experts, top_k", [(4, 1), (8, 2), (16, 4)])
+def test_the_recipes_expert_counts_are_the_planners(experts, top_k):
+    """train.py (notebook 09) counts an MoE's parameters for its log line and its active FLOPs for MFU; plan.py
+    (notebook 10, torch-free, so it cannot import train.py) counts them from the shapes. Two writers by course order:
+    held equal here, for the dense model too."""
+    import argparse
+
+    import train as recipe
+
+    cfg = preset("small")
+    for e, k in ((0, 2), (experts, top_k)):
+        args = argparse.Namespace(moe_experts=e, moe_top_k=k)
+        assert recipe.parameter_count(cfg, args) == P.parameter_count(cfg, e)
+        assert cfg.flops_per_token(1024) + recipe.moe_extra_flops(cfg, args) == \
+            P.flops_per_token(cfg, P.Training(seq_len=1024, moe_experts=e, moe_top_k=k))

@@ -530,7 +530,9 @@ def balance_loss(model, args):
 
 def moe_extra_flops(cfg: GPTConfig, args) -> int:
     """Training FLOPs per token that experts add to the dense Llama's (config.flops_per_token): the router (dim x
-    experts) and k - 1 more feed-forwards of the dense size. MFU counts the weights a token uses, not all of them."""
+    experts) and k - 1 more feed-forwards of the dense size. MFU counts the weights a token uses, not all of them.
+    plan.py (notebook 10) counts the same from the shapes; tests/test_plan_cp_moe.py holds the two equal."""
+
     if not args.moe_experts:
         return 0
     return 6 * cfg.n_layers * (cfg.dim * args.moe_experts + (args.moe_top_k - 1) * 3 * cfg.dim * cfg.hidden)
