@@ -72,13 +72,13 @@ def plain_loop(args, timed) -> None:
     import data
     import train
     from ac import apply_ac, apply_compile
-    from model import GPT, cross_entropy
+    from model import Llama, cross_entropy
 
     if args.accum != 1:
         raise ValueError(f"the plain loop takes one micro-batch a step: leave --accum {args.accum} out of --extra")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     with torch.device("meta"):
-        model = GPT(args.model_config)
+        model = Llama(args.model_config)
     train.apply_experts(model, args, None)       # --extra '--moe-experts E': the same experts, on this one process
     apply_ac(model, args.ac)                     # --extra '--ac ...' checkpoints the plain loop's blocks too
     if args.compile:

@@ -3,7 +3,7 @@
 - Digits: the 1,797 8x8 handwritten digits (the test set of UCI's "Optical Recognition of Handwritten Digits"), in
   data/digits.npz; scripts/train_ddp.py reads the same file the same way, with numpy.
 - Text: the Python Language Reference topics that ship with CPython itself (`pydoc_data.topics`), about 0.8 MB
-  of English technical prose; read character by character, it is enough for a small GPT to learn spelling.
+  of English technical prose; read character by character, it is enough for a small Llama to learn spelling.
 See data/README.md for origin and licence.
 """
 from __future__ import annotations

@@ -85,7 +85,7 @@ def cpu_ranks_env(world_size: int, gpus: int) -> dict[str, str]:
     Why hide the GPUs: with more ranks than GPUs the ranks compute on CPU with gloo, but a process that can see a
     GPU makes torch's own code take "CUDA is available" to mean "these tensors are on CUDA": PowerSGD's hook calls
     `torch.cuda.synchronize(bucket.device)` whenever `torch.cuda.is_available()`, which raises for a CPU bucket
-    (tests/test_ddp_measure.py reproduces it); DCP's writer creates a CUDA stream, and with it a CUDA context on
+    (tests/measure/test_ddp_measure.py reproduces it); DCP's writer creates a CUDA stream, and with it a CUDA context on
     GPU 0, in every CPU rank that saves. A CPU rank that cannot see a GPU is a CPU rank all the way down.
     Why COOKBOOK_BACKEND too: `launch` picks the workers' backend from the kernel's view of the machine, so a
     world-size-1 launch on a one-GPU machine says "nccl" even where the env hides the GPU, and a helper worker's

@@ -3,7 +3,7 @@
 Why a module: a private name (a leading underscore) may change or vanish in any torch release, without notice.
 Each one the project needs is named here once, with the reason no public API serves. The helpers take it from here
 (`from helpers.torch_private import TorchDispatchMode`, `torch_private.resolve("rendezvous_handlers")`).
-`tests/test_private_names.py` resolves every entry, so a torch release that removes one fails a test that names it
+`tests/project/test_private_names.py` resolves every entry, so a torch release that removes one fails a test that names it
 and its users, rather than a notebook half-way through; and it checks that no file of the project (helpers, tools,
 the notebooks' cells, scripts, benchmarks) reaches a private torch name other than here.
 

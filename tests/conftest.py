@@ -113,7 +113,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _browser_can_run() -> bool:
-    """Chromium, its driver and selenium are here, so tests/test_browser.py runs rather than skips."""
+    """Chromium, its driver and selenium are here, so tests/notebooks/test_browser.py runs rather than skips."""
     import importlib.util
     from pathlib import Path
 
@@ -135,7 +135,7 @@ def pytest_configure(config):
 
 
 def _papermill_where_the_browser_runs(items) -> None:
-    """A notebook the browser test runs is not also run by papermill. tests/test_browser.py executes every cell of
+    """A notebook the browser test runs is not also run by papermill. tests/notebooks/test_browser.py executes every cell of
     its notebooks in JupyterLab with the same smoke parameters and fails on any error output, which is all the
     papermill test proves, at the cost of a second whole run. So where this session runs the browser test for a
     notebook (selected, not deselected with -m 'not browser', and its tools present), that notebook's papermill run
@@ -147,5 +147,5 @@ def _papermill_where_the_browser_runs(items) -> None:
     for item in items:
         callspec = getattr(item, "callspec", None)
         if item.get_closest_marker("notebook") and callspec is not None and callspec.id in browsed:
-            item.add_marker(pytest.mark.skip(reason="executed in JupyterLab by tests/test_browser.py in this session "
+            item.add_marker(pytest.mark.skip(reason="executed in JupyterLab by tests/notebooks/test_browser.py in this session "
                                                     "(the same smoke parameters; any error output fails it)"))

@@ -14,7 +14,7 @@ parallel in 07, the pipeline split in 08); its first cell holds the module docst
 notebook's cell imports what its own part needs. A recipe module is imported, so it needs no `main()`; it gets
 the `__main__` block only where it defines one.
 
-`python -m tools.export --check` (and tests/test_scripts.py) fails when a script and its notebook drift apart,
+`python -m tools.export --check` (and tests/recipe/test_scripts.py) fails when a script and its notebook drift apart,
 and when a file in scripts/ is written by no notebook.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """How much of each notebook teaches in its own cells: the figures that replaced a line cap, and the two checks
-tests/test_teaching.py runs.
+tests/notebooks/test_teaching.py runs.
 
 Per notebook it reports the functions the notebook launches on worker processes that come from `helpers` (a
 worker should be plain PyTorch the reader sees: defined in the notebook's cells or in `scripts/`), the share of

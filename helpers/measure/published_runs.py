@@ -1,6 +1,6 @@
 """torchtitan's published performance tables, row by row, and the planner's prediction beside each figure.
 
-Why a module: notebook 10 shows the table and tests/test_plan.py holds the same rows to the same goal, so the rows
+Why a module: notebook 10 shows the table and tests/planner/test_plan.py holds the same rows to the same goal, so the rows
 (copied from pytorch/torchtitan at the commits named below, with every setting a row states) and the mapping of a
 row's settings onto the planner live once. Nothing here is fitted: a row becomes a model config, a layout, a
 Training and a GPU, and the planner (scripts/train/plan.py, passed in as `P`) does the rest.
@@ -98,7 +98,7 @@ def not_predicted(row: dict) -> str | None:
 def planner_inputs(P, row: dict):
     """(config, Training, Layout, GPU name) of a row: the recipe at the row's settings."""
     name, seq = row["model"], row["seq_len"]
-    cfg = P.GPTConfig(**LLAMA2[name], max_seq_len=seq) if name in LLAMA2 else P.preset(name, max_seq_len=seq)
+    cfg = P.LlamaArgs(**LLAMA2[name], max_seq_len=seq) if name in LLAMA2 else P.preset(name, max_seq_len=seq)
     ac = {"op": P.TORCHTITAN_SELECTIVE, "layer": "alternate"}.get(row["ac"], row["ac"])
     layout = P.Layout(dp_shard=row["fsdp"], tp=row["tp"], pp=row["pp"])
     train = P.Training(seq_len=seq, batch_size=row["batch"], grad_accum=max(1, row["pp"]), precision="bf16-fsdp",

@@ -17,7 +17,7 @@ def tp_table(reports: dict) -> str:
     each: the logits' placements and the largest gaps to the reference, block 0's collectives per pass, the step's."""
     lines = []
     for sp, r in reports.items():
-        block = r["per_module"].get("GPT.layers.0", {})
+        block = r["per_module"].get("Llama.layers.0", {})
         lines += [f"sequence parallel {sp}: logits {r['logits_placements']}, max |logits - reference| "
                   f"{r['logits_gap']:.2e}, max |grad - reference| {r['grad_gap']:.2e}",
                   f"  collectives of block 0: forward {block.get('forward', {})}, backward {block.get('backward', {})}",

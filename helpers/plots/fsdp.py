@@ -93,7 +93,7 @@ def loss_curve(losses: list[float], levels: dict[str, float] | None = None, wind
         ax.annotate(name, (len(losses), value), ha="right", va="bottom", fontsize=8, color="dimgray")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats per character)")
-    ax.set_title("The recipe's GPT trained with FSDP2 on CPython's language reference")
+    ax.set_title("The recipe's Llama trained with FSDP2 on CPython's language reference")
     ax.legend(fontsize=8)
     return fig
 

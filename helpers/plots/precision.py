@@ -94,7 +94,7 @@ def activation_checkpointing(result: dict):
                    label=label, color=color)
     ax_mem.set_xticks(range(len(modes)), modes)
     ax_mem.set_ylabel("MiB")
-    ax_mem.set_title(f"GPT, {result['n_layers']} blocks, checkpointing")
+    ax_mem.set_title(f"Llama, {result['n_layers']} blocks, checkpointing")
     ax_mem.legend(fontsize=8)
     ax_time.bar(range(len(modes)), [result["step_ms"][mode] for mode in modes], 0.5)
     ax_time.set_xticks(range(len(modes)), modes)

@@ -267,18 +267,18 @@ class Checkpointer:
 def full_model_state(checkpoint: str | Path) -> tuple:
     """(the model's config, its whole state dict on the CPU, the run's saved configuration) of a committed checkpoint
     written at any layout: one process, no process group; DCP assembles each parameter from the ranks' pieces."""
-    from config import GPTConfig
-    from model import GPT
+    from config import LlamaArgs
+    from model import Llama
 
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / CONFIG_FILE).read_text())
     if config.get("args", {}).get("moe_experts"):
         raise ValueError(f"{checkpoint} holds a mixture of experts (train.py --moe-experts): exports and generate.py "
                          "build the dense Llama")
-    cfg = GPTConfig(**config["model"])
+    cfg = LlamaArgs(**config["model"])
 
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = Llama(cfg)
     model.to_empty(device="cpu")
     state = model.state_dict()
     with warnings.catch_warnings():   # DCP warns that it loads in one process: that is the intent here
@@ -297,11 +297,11 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
 
 def load_exported(path: str | Path, device: str | torch.device = "cpu"):
     """The model an `export` file holds, ready for inference."""
-    from config import GPTConfig
-    from model import GPT
+    from config import LlamaArgs
+    from model import Llama
 
     saved = torch.load(path, map_location=device, weights_only=True)
-    model = GPT(GPTConfig(**saved["config"])).to(device)
+    model = Llama(LlamaArgs(**saved["config"])).to(device)
     model.load_state_dict(saved["model"])
     return model.eval()
 
@@ -328,7 +328,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     """A Hugging Face Llama folder from a committed checkpoint: config.json (model.py's `hf_config`, with the
     training data's end-of-text token as eos_token_id), model.safetensors (the weights under Hugging Face's names, wq and wk reordered by
     `to_hf`; a tied output stored once, as Hugging Face does) and the training data's tokenizer.json where it had
-    one. `LlamaForCausalLM.from_pretrained(out)` opens it (tests/test_llama_reference.py); so do vLLM and the
+    one. `LlamaForCausalLM.from_pretrained(out)` opens it (tests/recipe/test_llama_reference.py); so do vLLM and the
     evaluation harnesses."""
     from safetensors.torch import save_file
 

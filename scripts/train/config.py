@@ -2,7 +2,7 @@
 #   notebooks/03_fsdp_and_device_mesh.ipynb
 # In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
 # Copied into your project, it is yours to edit.
-"""What a run is, torch-free: the model's shape (`GPTConfig`, named presets from a tiny CPU model to Llama 3 405B, the
+"""What a run is, torch-free: the model's shape (`LlamaArgs`, named presets from a tiny CPU model to Llama 3 405B, the
 mapping to and from a Hugging Face Llama's config.json) and the parallel layout (`Layout`: the degrees of the named
 mesh, the one check of what a world size and a model can take, the pipeline's split of the layers). model.py builds
 the model from it, parallelize.py the mesh, and the planner (plan.py) reads it without importing torch.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 
 @dataclass
-class GPTConfig:
+class LlamaArgs:
     """The model's shape. The feed-forward width is Llama's rule: 2/3 of 4 x dim, times `ffn_dim_multiplier`,
     rounded up to a multiple of `multiple_of` (Llama 2 7B: 11008; Llama 3 8B: 14336), unless `ffn_hidden` gives it
     (a Hugging Face config's `intermediate_size`). `n_kv_heads` < `n_heads` is grouped-query attention: each
@@ -93,14 +93,14 @@ PRESETS = {
 }
 
 
-def preset(name: str, **overrides) -> GPTConfig:
+def preset(name: str, **overrides) -> LlamaArgs:
     """A named shape, with some fields changed (`preset("llama3-8b", n_layers=2)`)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: one of {', '.join(PRESETS)}")
-    return GPTConfig(**{**PRESETS[name], **overrides})
+    return LlamaArgs(**{**PRESETS[name], **overrides})
 
 
-def hf_config(cfg: GPTConfig, dtype: str = "float32") -> dict:
+def hf_config(cfg: LlamaArgs, dtype: str = "float32") -> dict:
     """The config.json `LlamaForCausalLM.from_pretrained` reads for this model (the classic keys, which
     transformers 4 and 5, vLLM and the evaluation harnesses all read)."""
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
@@ -114,7 +114,7 @@ def hf_config(cfg: GPTConfig, dtype: str = "float32") -> dict:
     return config
 
 
-def config_from_hf(config: dict) -> GPTConfig:
+def config_from_hf(config: dict) -> LlamaArgs:
     """Our config for a Hugging Face Llama's config.json; ValueError (one line) for anything this model is not."""
     if config.get("model_type") != "llama":
         raise ValueError(f"model_type {config.get('model_type')!r} is not 'llama' (architectures: "
@@ -132,7 +132,7 @@ def config_from_hf(config: dict) -> GPTConfig:
         raise ValueError(f"head_dim {config['head_dim']} is not hidden_size / num_attention_heads")
     scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                     "original_max_position_embeddings")} if kind == "llama3" else None
-    return GPTConfig(vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+    return LlamaArgs(vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
                      n_heads=heads, n_kv_heads=config.get("num_key_value_heads") or heads,
                      max_seq_len=config["max_position_embeddings"], ffn_hidden=config["intermediate_size"],
                      norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
@@ -171,7 +171,7 @@ class Layout:
     def ddp(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp
 
-    def check(self, world: int | None = None, cfg: GPTConfig | None = None, seq_len: int | None = None) -> None:
+    def check(self, world: int | None = None, cfg: LlamaArgs | None = None, seq_len: int | None = None) -> None:
         """ValueError (one line) for a layout this world size or this model cannot take."""
         bad = [f"{name} {d}" for name, d in vars(self).items() if d < 1]
         if bad:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 # on gloo's own worker thread, some time after the step that used them. If theirs were the last reference, the group
 # would be destroyed on that thread, which then joins itself: "terminate called after throwing an instance of
 # 'std::system_error' / Resource deadlock avoided", SIGABRT at the end of a finished run (notebook 02b's PowerSGD run
-# hit it on a busy machine; tests/test_process_group_lifetime.py makes it happen every time). Held here, the group
+# hit it on a busy machine; tests/launcher/test_process_group_lifetime.py makes it happen every time). Held here, the group
 # is freed by this thread, its callbacks long done: at the next init_distributed, or by the atexit hook while the
 # interpreter is still whole (a group left for the interpreter's own teardown can abort there too).
 GROUPS_JOINED: list = []

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, KVCache
+from model import Llama, KVCache
 
 
 class Codec:
@@ -43,7 +43,7 @@ class Codec:
         return self.tokenizer.decode(ids) if self.tokenizer else bytes(ids).decode("utf-8", errors="replace")
 
 
-def load(source: str | Path, device="cpu") -> tuple[GPT, str | None, int | None]:
+def load(source: str | Path, device="cpu") -> tuple[Llama, str | None, int | None]:
     """(the model, in eval mode on `device`; the tokenizer file it was trained with or None; the end-of-text id or
     None) from a Hugging Face folder, an export file or a checkpoint directory (a run's --ckpt-dir or one step_N)."""
     import checkpoint as ckpt
@@ -54,7 +54,7 @@ def load(source: str | Path, device="cpu") -> tuple[GPT, str | None, int | None]
     step = source if (source / ".metadata").exists() else ckpt.latest(source)   # a step_N (its config.json is ours)
     if step is None and (source / "config.json").is_file():         # a Hugging Face folder
         cfg = ckpt.hf_model_config(source)
-        model = GPT(cfg)
+        model = Llama(cfg)
         ckpt.load_hf(model, source)
         tokenizer = source / "tokenizer.json"
         eot = json.loads((source / "config.json").read_text()).get("eos_token_id")
@@ -62,7 +62,7 @@ def load(source: str | Path, device="cpu") -> tuple[GPT, str | None, int | None]
     if step is None:
         raise ValueError(f"{source}: not a Hugging Face folder, an export file or a checkpoint directory")
     cfg, state, config = ckpt.full_model_state(step)
-    model = GPT(cfg)
+    model = Llama(cfg)
     model.load_state_dict(state)
     trained_on = config.get("data") or {}
     return model.to(device).eval(), trained_on.get("tokenizer"), trained_on.get("eot_id")
@@ -80,7 +80,7 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+def generate(model: Llama, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              seed: int = 0, use_cache: bool = True, stop_at: int | None = None) -> list[int]:
     """The ids that follow `prompt`: up to max_new_tokens, ending early at `stop_at` (the end-of-text id)."""
     total = len(prompt) + max_new_tokens

@@ -15,8 +15,8 @@ model holds no parallel code. Three choices make that possible:
   after `fully_shard`/`parallelize_module`, and gives the same numbers at every layout: each block of 64 rows of a
   parameter is drawn from a generator seeded by (seed, its name, the block), and each rank draws only the blocks
   its piece lies in. A sharded model costs each rank its share to initialise, not the whole model.
-Its shape is config.py's `GPTConfig`. Its state dict converts to and from Hugging Face's `LlamaForCausalLM` (`to_hf`,
-`from_hf`): the same weights give the same logits (tests/test_llama_reference.py holds it against `transformers`).
+Its shape is config.py's `LlamaArgs`. Its state dict converts to and from Hugging Face's `LlamaForCausalLM` (`to_hf`,
+`from_hf`): the same weights give the same logits (tests/recipe/test_llama_reference.py holds it against `transformers`).
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from config import GPTConfig
+from config import LlamaArgs
 
 
-def rope_tables(cfg: GPTConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: LlamaArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every (position, frequency), shapes (max_seq_len, head_dim / 2), float32. Pair i of a head
     turns by position x theta^(-2i / head_dim): fast turns for the first pairs, slow for the last. With Llama 3.1's
     `rope_scaling` the slow frequencies (wavelengths beyond the original context) are divided by `factor`, the fast
@@ -67,7 +67,7 @@ class Attention(nn.Module):
     each repeated for its group of n_heads / n_kv_heads query heads (fewer key/value bytes to keep and to cache,
     the same attention otherwise)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: LlamaArgs):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
@@ -99,7 +99,7 @@ class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x). The gate (w1) decides per hidden unit how much of the value (w3) passes; with
     three matrices instead of two, Llama's hidden width is 2/3 of the classic 4 x dim, so it costs the same."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: LlamaArgs):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.hidden, bias=False)
@@ -112,7 +112,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + feed_forward(norm(x))."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: LlamaArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
@@ -124,12 +124,12 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class GPT(nn.Module):
+class Llama(nn.Module):
     """Token ids (batch, seq) -> logits (batch, seq, vocab); the loss is computed outside. A pipeline stage sets the
     parts it does not own to None: the first stage takes token ids, the others hidden states. The rotary tables are
     buffers of the root, not saved in checkpoints (init_weights computes them), passed to every block."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: LlamaArgs):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -192,7 +192,7 @@ def fill_normal(param: torch.Tensor, std: float, seed: int) -> None:
     in blocks of INIT_ROWS, block b from a generator seeded by (seed, b), so a rank draws only the blocks its rows
     fall in, at full width, and keeps its piece: a piece cut along the rows (FSDP2's Shard(0), tensor parallel's
     column-wise) costs a rank its share, one cut along the columns (row-wise Shard(1)) every row of the tensor
-    (tests/test_train_robust.py counts what each rank draws). A DTensor names its piece by offsets and sizes, as it does for
+    (tests/recipe/test_train_robust.py counts what each rank draws). A DTensor names its piece by offsets and sizes, as it does for
     DCP (`__create_chunk_list__`)."""
     from torch.distributed.tensor import DTensor
 
@@ -234,7 +234,7 @@ class KVCache:
     """The keys and values of the tokens generated so far, per block, so each new token runs the model on itself
     alone (one process, inference). Holds n_kv_heads heads, not n_heads: grouped-query attention's saving."""
 
-    def __init__(self, cfg: GPTConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
+    def __init__(self, cfg: LlamaArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
         if max_len > cfg.max_seq_len:
             raise ValueError(f"{max_len} tokens exceed the model's max_seq_len {cfg.max_seq_len}")
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
@@ -282,7 +282,7 @@ def hf_name(name: str) -> str:
     return f"model.layers.{index}.{_HF_BLOCK[module]}.{leaf}"
 
 
-def _rotary_heads(name: str, cfg: GPTConfig) -> int | None:
+def _rotary_heads(name: str, cfg: LlamaArgs) -> int | None:
     """The head count of a weight whose output rows carry rotary pairs (wq, wk), else None."""
     if name.endswith("attention.wq.weight"):
         return cfg.n_heads
@@ -291,7 +291,7 @@ def _rotary_heads(name: str, cfg: GPTConfig) -> int | None:
     return None
 
 
-def to_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> tuple[str, torch.Tensor]:
+def to_hf(name: str, tensor: torch.Tensor, cfg: LlamaArgs) -> tuple[str, torch.Tensor]:
     """One of our weights as Hugging Face stores it: its name, and for wq and wk the rows of each head reordered
     from interleaved pairs (x[2i], x[2i+1]) to halves (x[i], x[i + head_dim/2]), as Meta's conversion script does."""
     heads = _rotary_heads(name, cfg)
@@ -301,7 +301,7 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> tuple[str, torch.T
     return hf_name(name), tensor
 
 
-def from_hf(name: str, tensor: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+def from_hf(name: str, tensor: torch.Tensor, cfg: LlamaArgs) -> torch.Tensor:
     """Hugging Face's tensor for our parameter `name` (found under `hf_name(name)`), back in our layout: `to_hf`'s
     reordering undone."""
     heads = _rotary_heads(name, cfg)

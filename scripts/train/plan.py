@@ -32,7 +32,7 @@ Conventions:
   recipe's --cp (cp of the dp_shard ranks split each sequence and read one batch) and --moe-experts, --moe-top-k,
   --ep (every feed-forward a mixture of experts, the experts sharded over ep of the dp_shard ranks);
 - what a run measured shaped the terms: notebook 10 holds each against the recipe on CPU ranks (and a GPU's
-  allocator where there is one) and against torchtitan's published runs, tests/test_plan.py against hand-worked
+  allocator where there is one) and against torchtitan's published runs, tests/planner/test_plan.py against hand-worked
   cases, published formulas and the same published runs.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from config import MESH_DIMS, PRESETS, GPTConfig, Layout, preset, stage_layers
+from config import MESH_DIMS, PRESETS, LlamaArgs, Layout, preset, stage_layers
 
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-fsdp")
@@ -185,7 +185,7 @@ def gpu_rates(gpu: GPU, dtype: str = "bf16", matmul: float | None = None) -> Rat
 
 # ----------------------------------------------------------------------------------------------- the parameters
 
-def _block_shapes(cfg: GPTConfig, i: int, experts: int = 0) -> list[tuple[str, tuple[int, ...], int | None]]:
+def _block_shapes(cfg: LlamaArgs, i: int, experts: int = 0) -> list[tuple[str, tuple[int, ...], int | None]]:
     """Block i's parameters: (name, shape, tensor-parallel shard dim or None); with `experts`, moe.py's MoE in place
     of the feed-forward: a router Linear(dim, experts), each of w1, w3, w2 stacked (experts, out, in)."""
     d, h, hd, p, e = cfg.dim, cfg.hidden, cfg.head_dim, f"layers.{i}.", experts
@@ -200,7 +200,7 @@ def _block_shapes(cfg: GPTConfig, i: int, experts: int = 0) -> list[tuple[str, t
             (p + "ffn_norm.weight", (d,), None)] + ffn
 
 
-def _ends(cfg: GPTConfig) -> tuple[list, list]:
+def _ends(cfg: LlamaArgs) -> tuple[list, list]:
     """(the first stage's parameters before the blocks, the last stage's after them); a tied output is the
     embedding: one parameter."""
     d, v = cfg.dim, cfg.vocab_size
@@ -208,7 +208,7 @@ def _ends(cfg: GPTConfig) -> tuple[list, list]:
         [("norm.weight", (d,), None)] + ([] if cfg.tie_embeddings else [("output.weight", (v, d), 0)])
 
 
-def parameter_shapes(cfg: GPTConfig, experts: int = 0) -> list[tuple[str, tuple[int, ...], int | None]]:
+def parameter_shapes(cfg: LlamaArgs, experts: int = 0) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(name, shape, tensor-parallel shard dim or None) of every parameter, in the model's order (`experts`: MoE
     feed-forwards, `_block_shapes`).
 
@@ -219,8 +219,8 @@ def parameter_shapes(cfg: GPTConfig, experts: int = 0) -> list[tuple[str, tuple[
     return first + [s for i in range(cfg.n_layers) for s in _block_shapes(cfg, i, experts)] + last
 
 
-def parameter_count(cfg: GPTConfig, experts: int = 0) -> int:
-    """Every parameter, summed from the shapes (config.GPTConfig.num_params gives the same by formula, dense)."""
+def parameter_count(cfg: LlamaArgs, experts: int = 0) -> int:
+    """Every parameter, summed from the shapes (config.LlamaArgs.num_params gives the same by formula, dense)."""
     return sum(math.prod(shape) for _, shape, _ in parameter_shapes(cfg, experts))
 
 
@@ -252,7 +252,7 @@ def layout_name(layout: Layout) -> str:
     return f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp} pp={layout.pp}"
 
 
-def stage_groups(cfg: GPTConfig, layout: Layout, stage: int, experts: int = 0) -> list[tuple[str, list, int]]:
+def stage_groups(cfg: LlamaArgs, layout: Layout, stage: int, experts: int = 0) -> list[tuple[str, list, int]]:
     """Pipeline stage `stage`'s parameters as FSDP2 groups the recipe makes (`fully_shard` per block, the rest in
     the root): (name, its parameters, how many alike), the blocks (config.stage_layers, torchtitan's uneven split)
     as one template counted, then the root (the embedding on the first stage, the final norm and output on the
@@ -264,7 +264,7 @@ def stage_groups(cfg: GPTConfig, layout: Layout, stage: int, experts: int = 0) -
     return groups + ([("root", root, 1)] if root else [])
 
 
-def stage_parameters(cfg: GPTConfig, layout: Layout, stage: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+def stage_parameters(cfg: LlamaArgs, layout: Layout, stage: int) -> list[tuple[str, tuple[int, ...], int | None]]:
     """The parameters of pipeline stage `stage`: the embedding on the first, its blocks, the final norm and output
     on the last (dense: MoE is not pipelined)."""
     first, last = _ends(cfg)
@@ -299,7 +299,7 @@ def _dtype_bytes(precision: str) -> dict[str, int]:
     return {"param": 4, "grad": 4, "gathered": 2, "residual": 2, "matmul": 2, "reduce": 4}
 
 
-def model_state(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> dict:
+def model_state(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> dict:
     """Bytes of parameters, gradients and optimizer state on `rank`, held and allocated (FSDP2 padding included).
 
     FSDP2 (dp_shard > 1) shards each parameter's dim 0 over dp_shard with torch.chunk (after tp has taken its part:
@@ -337,14 +337,14 @@ def model_state(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> d
     }
 
 
-def rope_tables_bytes(cfg: GPTConfig) -> int:
+def rope_tables_bytes(cfg: LlamaArgs) -> int:
     """The rotary tables every stage keeps as buffers: cos and sin, max_seq_len x head_dim / 2 each, float32."""
     return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
 
 
 # ---------------------------------------------------------------------------------------------- the activations
 
-def layer_activations(cfg: GPTConfig, train: Training, tp: int) -> dict[str, float]:
+def layer_activations(cfg: LlamaArgs, train: Training, tp: int) -> dict[str, float]:
     """Bytes autograd keeps for backward in one transformer block for one micro-batch, by tensor (no checkpointing).
 
     Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer Models", count
@@ -392,7 +392,7 @@ def layer_activations(cfg: GPTConfig, train: Training, tp: int) -> dict[str, flo
     return terms
 
 
-def head_activations(cfg: GPTConfig, train: Training, tp: int) -> dict[str, float]:
+def head_activations(cfg: LlamaArgs, train: Training, tp: int) -> dict[str, float]:
     """Bytes kept outside the blocks for one micro-batch on the last stage: the final norm's input, the output
     projection's (gathered) input, the loss's fp32 log-probabilities over the vocabulary (split by tp under loss
     parallelism) and its int64 targets."""
@@ -413,7 +413,7 @@ def embedding_activations(train: Training) -> dict[str, float]:
     return {"token ids": rank_tokens(train) * 8}
 
 
-def rope_activations(cfg: GPTConfig, train: Training, layout: Layout) -> dict[str, float]:
+def rope_activations(cfg: LlamaArgs, train: Training, layout: Layout) -> dict[str, float]:
     """What the rotation's cos and sin cost per block and micro-batch: nothing new where the blocks take slices of
     the root's float32 buffers (autograd keeps the buffers' storage, `rope_tables_bytes`, already held); under
     FSDP2's bf16 policy every block's forward casts its floating-point inputs to bf16 (`cast_forward_inputs`), so
@@ -438,7 +438,7 @@ def in_flight_microbatches(layout: Layout, train: Training, stage: int, schedule
     return min(layout.pp - stage, train.grad_accum)
 
 
-def selective_block(cfg: GPTConfig, train: Training, tp: int) -> dict[str, float]:
+def selective_block(cfg: LlamaArgs, train: Training, tp: int) -> dict[str, float]:
     """What per-op selective checkpointing keeps of one block: its input, and the outputs of the ops its policy
     must save; everything else (norms, rotations, repeats, silu, the product, adds, autocast's casts) is recomputed.
 
@@ -483,7 +483,7 @@ def rank_tokens(train: Training) -> int:
     return train.batch_size * train.seq_len // train.cp
 
 
-def ring_activations(cfg: GPTConfig, train: Training) -> dict[str, float]:
+def ring_activations(cfg: LlamaArgs, train: Training) -> dict[str, float]:
     """What cp.py's ring attention keeps in place of SDPA's terms (`layer_activations`), per block and micro-batch:
     RingAttention saves q, k and v at n_kv_heads heads (it repeats k and v per step, unsaved), its output and its
     log-sum-exp (in the compute dtype: the ring computes it, not a fused kernel); wo keeps its input beside the
@@ -501,7 +501,7 @@ def moe_rows(train: Training) -> int:
     return rank_tokens(train) * train.moe_top_k
 
 
-def moe_activations(cfg: GPTConfig, train: Training, rows: int | None = None) -> dict[str, float]:
+def moe_activations(cfg: LlamaArgs, train: Training, rows: int | None = None) -> dict[str, float]:
     """What moe.py's MoE keeps in place of the SwiGLU feed-forward, per block and micro-batch; `rows`: rows this
     rank's experts received (default `moe_rows`, even routing). The router's fp32 probabilities (softmax keeps its
     output); top-k's weights, their sum and indices; the (token, choice) order and the token of each routed row
@@ -534,7 +534,7 @@ def moe_statistics_bytes(train: Training) -> int:
     return train.moe_experts * 8 + 4 if train.moe_experts else 0
 
 
-def checkpointed_blocks(cfg: GPTConfig, train: Training, blocks: list[int]) -> list[int]:
+def checkpointed_blocks(cfg: LlamaArgs, train: Training, blocks: list[int]) -> list[int]:
     """The blocks whose forward runs under torch.utils.checkpoint: all of them ("full", "selective"), the even ones
     ("alternate", as ac.apply_ac skips the odd), none."""
     if train.checkpointing == "none":
@@ -544,7 +544,7 @@ def checkpointed_blocks(cfg: GPTConfig, train: Training, blocks: list[int]) -> l
     return list(blocks)
 
 
-def activations(cfg: GPTConfig, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
+def activations(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
     """Activation bytes a rank keeps at its peak (the end of a forward, before the backward frees them), by term.
 
     Checkpointing, as the recipe's --ac: "full" keeps each block's input only (the residual stream,
@@ -591,7 +591,7 @@ def activations(cfg: GPTConfig, train: Training, layout: Layout, rank: int, sche
             "buffers_saved": rope["buffers saved"] if blocks else 0.0}
 
 
-def autocast_weight_copies(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> dict[str, float]:
+def autocast_weight_copies(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> dict[str, float]:
     """bf16 copies of the matmul weights that autocast makes in forward and caches until its context exits (2 bytes
     each, the rank's tp shard): {"block": one block's, "head": the output projection's on the last stage}. (The
     recipe autocasts only where FSDP2 is not applied, so these are whole local weights.) An MoE's router is
@@ -624,7 +624,7 @@ def allocator_overhead(checkpointing: str) -> float:
     return reserved / active - 1
 
 
-def memory(cfg: GPTConfig, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
+def memory(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
     """What `rank` holds at its peak, as the CUDA caching allocator counts it ("allocated", by phase of the step,
     the largest taken) and reserves it ("reserved": `allocator_overhead`).
 
@@ -675,7 +675,7 @@ def memory(cfg: GPTConfig, train: Training, layout: Layout, rank: int, schedule:
 
 # ------------------------------------------------------------------------------------------------ communication
 
-def _group_elements(cfg: GPTConfig, layout: Layout, rank: int, train: Training) -> list[tuple[int, int]]:
+def _group_elements(cfg: LlamaArgs, layout: Layout, rank: int, train: Training) -> list[tuple[int, int]]:
     """[(elements of one rank's padded shard of an FSDP group, how many such groups)] on `rank`'s stage: a block
     (counted), the root (the all-gather output is dp_shard x this; the reduce-scatter input too). Experts under ep
     are no FSDP2 parameters."""
@@ -702,7 +702,7 @@ def _collective(what: str, kind: str, group: str, size: int, calls: int, nbytes:
              "dtype_bytes": dtype_bytes, "sent_bytes": nbytes * _ring_factor(kind, size)}]
 
 
-def _data_parallel_collectives(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> list[dict]:
+def _data_parallel_collectives(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> list[dict]:
     """FSDP2's all-gathers and reduce-scatters per group (each block, the root), HSDP's all-reduce of the reduced
     shard, or DDP's one all-reduce of every gradient per step (see `communication`)."""
     b = _dtype_bytes(train.precision)
@@ -723,7 +723,7 @@ def _data_parallel_collectives(cfg: GPTConfig, train: Training, layout: Layout, 
     return []
 
 
-def _tensor_parallel_collectives(cfg: GPTConfig, train: Training, layout: Layout, stage: int) -> list[dict]:
+def _tensor_parallel_collectives(cfg: LlamaArgs, train: Training, layout: Layout, stage: int) -> list[dict]:
     """Sequence parallelism's all-gathers and reduce-scatters per micro-batch (each block's two halves, the
     embedding on the first stage, the output projection on the last), grouped by element width, those a
     checkpointed block's recomputation repeats, and the parallel loss's all-reduces (see `communication`)."""
@@ -758,7 +758,7 @@ def _tensor_parallel_collectives(cfg: GPTConfig, train: Training, layout: Layout
     return records
 
 
-def _recomputed(cfg: GPTConfig, train: Training, blocks: list[int], elements: int, res: int, mat: int):
+def _recomputed(cfg: LlamaArgs, train: Training, blocks: list[int], elements: int, res: int, mat: int):
     """(gathers, scatters) a checkpointed block's recomputed forward repeats: both halves' all-gathers, and the
     reduce-scatters unless the policy keeps their outputs (torchtitan's does)."""
     again = len(checkpointed_blocks(cfg, train, blocks))
@@ -768,7 +768,7 @@ def _recomputed(cfg: GPTConfig, train: Training, blocks: list[int], elements: in
 
 # ------------------------------------------------------ context parallelism and experts: what they send
 
-def ring_sends(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> list[dict]:
+def ring_sends(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> list[dict]:
     """cp.py's ring per block and micro-batch, as RingAttention sends it (batch_isend_irecv: each rank sends one
     message to the next and receives one): forward, cp - 1 shifts of this rank's k and v stacked; backward, cp - 1
     shifts of k, v, dk, dv and a last one of dk, dv home; a checkpointed block's recomputed forward, its cp - 1
@@ -786,7 +786,7 @@ def ring_sends(cfg: GPTConfig, train: Training, layout: Layout, rank: int) -> li
                           micro * len(blocks) * cp, micro * len(blocks) * ((cp - 1) * 4 + 2) * kv, mat))
 
 
-def ring_backward_buffers(cfg: GPTConfig, train: Training) -> float:
+def ring_backward_buffers(cfg: LlamaArgs, train: Training) -> float:
     """What RingAttention's backward holds besides the saved tensors, counted from cp.py (not measured): the
     travelling k, v with their gradients, the copy sent and the one received (12 tensors of one rank's k); k, v
     repeated to every head and their gradients, and dq (5 of the tokens x dim); two score blocks (p, ds)."""
@@ -795,7 +795,7 @@ def ring_backward_buffers(cfg: GPTConfig, train: Training) -> float:
             + 2 * train.batch_size * cfg.n_heads * c * c) * mat
 
 
-def expert_collectives(cfg: GPTConfig, train: Training, layout: Layout, rank: int,
+def expert_collectives(cfg: LlamaArgs, train: Training, layout: Layout, rank: int,
                        rows: list[int] | None = None) -> list[dict]:
     """moe.py's expert_parallel per MoE block and micro-batch, as its all_to_all_single calls carry them (the input
     buffer: what leaves a rank is (ep - 1) / ep of it under even routing): forward, the int64 counts per expert, the
@@ -822,7 +822,7 @@ def expert_collectives(cfg: GPTConfig, train: Training, layout: Layout, rank: in
                           3 * len(blocks), experts * b["reduce"], b["reduce"]))
 
 
-def communication(cfg: GPTConfig, train: Training, layout: Layout, rank: int = 0) -> list[dict]:
+def communication(cfg: LlamaArgs, train: Training, layout: Layout, rank: int = 0) -> list[dict]:
     """The collectives `rank` takes part in during one step of the recipe, one record per (what, kind, group):
     calls, buffer bytes (the collective's logical buffer summed over calls: an all-gather's output, a
     reduce-scatter's input, an all-reduce's tensor, a point-to-point message) and bytes this rank sends on a ring.
@@ -889,7 +889,7 @@ def matmul_seconds(m: int, k: int, n: int, rates: Rates) -> float:
     return 2 * m * k * n / (rates.matmul * _tile_fill(m, n, rates.sms) / _tile_fill(8192, 8192, rates.sms))
 
 
-def _block_matmuls(cfg: GPTConfig, n: int, tp: int) -> dict[str, tuple[int, int, int]]:
+def _block_matmuls(cfg: LlamaArgs, n: int, tp: int) -> dict[str, tuple[int, int, int]]:
     """(tokens, in, out) of each projection of a block on one rank: column-wise ones split their outputs,
     row-wise ones their inputs."""
     d, h, q, kv = cfg.dim, cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -902,7 +902,7 @@ def _forward_backward(m: int, k: int, n: int, rates: Rates) -> float:
     return matmul_seconds(m, k, n, rates) + matmul_seconds(m, n, k, rates) + matmul_seconds(k, m, n, rates)
 
 
-def elementwise_bytes(cfg: GPTConfig, train: Training, tp: int) -> float:
+def elementwise_bytes(cfg: LlamaArgs, train: Training, tp: int) -> float:
     """Bytes one block's forward reads and writes outside its matmuls and attention, per token on one rank: what
     memory bandwidth, not FLOP/s, bounds. Eager, one kernel per op: two fused RMSNorms, autocast's casts of the
     normed input (five), the rotation in float32 (a copy up, four multiplies and two adds on the halves, the
@@ -945,7 +945,7 @@ def bus_bandwidth(size: int, stride: int, rates: Rates) -> float:
     return min(rates.intra, rates.inter * per_node)
 
 
-def communication_seconds(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates, rank: int = 0):
+def communication_seconds(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates, rank: int = 0):
     """(seconds that can hide behind compute, seconds that cannot) of `rank`'s collectives in one step, each at its
     group's bus bandwidth plus a latency per call (see `step_time`)."""
     tp, overlapped, exposed = layout.tp, 0.0, 0.0
@@ -964,7 +964,7 @@ def communication_seconds(cfg: GPTConfig, train: Training, layout: Layout, rates
     return overlapped, exposed
 
 
-def step_time(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates, rank: int = 0) -> dict:
+def step_time(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates, rank: int = 0) -> dict:
     """One step's seconds on `rank`, from achieved rates (not one fraction of a peak), with its parts.
 
     - matmuls, shape by shape (`matmul_seconds`), the forward's and the backward's, and again those a checkpointed
@@ -1022,7 +1022,7 @@ def step_time(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates, ran
 
 # -------------------------------------------------- context parallelism and experts: their time and FLOPs
 
-def ring_attention_seconds(cfg: GPTConfig, train: Training, rates: Rates, forwards: float = 3.5,
+def ring_attention_seconds(cfg: LlamaArgs, train: Training, rates: Rates, forwards: float = 3.5,
                            passes: int = 26) -> float:
     """One block's ring attention on one rank: cp.py computes it in eager block matmuls, not a fused kernel, so its
     FLOPs (`step_time`'s causal count for this rank's queries, `forwards` forwards: 3.5 with the backward, 1 for a
@@ -1035,7 +1035,7 @@ def ring_attention_seconds(cfg: GPTConfig, train: Training, rates: Rates, forwar
     return flops / rates.matmul + passes * scores / rates.memory
 
 
-def moe_matmul_seconds(cfg: GPTConfig, train: Training, rates: Rates, forward_only: bool = False) -> float:
+def moe_matmul_seconds(cfg: LlamaArgs, train: Training, rates: Rates, forward_only: bool = False) -> float:
     """One MoE block's matmuls on one rank, forward and backward (or the forward alone, recomputed): the router's,
     and each of its E / ep experts' w1, w3 and w2 on the rows it takes under even routing, k / E of the tokens of
     the ep ranks (ep x n x k / E rows each)."""
@@ -1045,7 +1045,7 @@ def moe_matmul_seconds(cfg: GPTConfig, train: Training, rates: Rates, forward_on
     return one(n, d, e, rates) + e // ep * sum(one(*s, rates) for s in ((rows, d, h), (rows, d, h), (rows, h, d)))
 
 
-def active_parameter_count(cfg: GPTConfig, experts: int = 0, top_k: int = 1) -> int:
+def active_parameter_count(cfg: LlamaArgs, experts: int = 0, top_k: int = 1) -> int:
     """The parameters one token meets: every one of a dense model; with MoE the router and top_k of the experts in
     each block (what FLOPs, and so MFU, count), not all of them."""
     if not experts:
@@ -1053,8 +1053,8 @@ def active_parameter_count(cfg: GPTConfig, experts: int = 0, top_k: int = 1) -> 
     return parameter_count(cfg) + cfg.n_layers * (experts * cfg.dim + (top_k - 1) * 3 * cfg.dim * cfg.hidden)
 
 
-def flops_per_token(cfg: GPTConfig, train: Training) -> float:
-    """Training FLOPs per token as config.GPTConfig.flops_per_token counts them (6 per matmul weight, the attention
+def flops_per_token(cfg: LlamaArgs, train: Training) -> float:
+    """Training FLOPs per token as config.LlamaArgs.flops_per_token counts them (6 per matmul weight, the attention
     scores uncounted for causality), with an MoE's active weights (`active_parameter_count`)."""
     extra = active_parameter_count(cfg, train.moe_experts, train.moe_top_k) - parameter_count(cfg)
     return cfg.flops_per_token(train.seq_len) + 6 * extra
@@ -1113,7 +1113,7 @@ ASSUMPTIONS = (
 
 @dataclass
 class Plan:
-    cfg: GPTConfig
+    cfg: LlamaArgs
     train: Training
     layout: Layout
     ranks: list[dict]          # per detailed rank: coordinates, model state, activations, memory
@@ -1134,7 +1134,7 @@ class Plan:
         return torchrun_command(self.cfg, self.train, self.layout, script, nodes, **extra)
 
 
-def check_layout(cfg: GPTConfig, train: Training, layout: Layout) -> None:
+def check_layout(cfg: LlamaArgs, train: Training, layout: Layout) -> None:
     """ValueError (one line) for a layout the recipe refuses: config.Layout.check (tp must divide the heads, the
     key/value heads, the vocabulary and the sequence; pp at most the layers; no pipelined tied output), and what
     train.parse_args adds: 1F1B needs as many micro-batches as stages; the model is as long as its sequences;
@@ -1151,7 +1151,7 @@ def check_layout(cfg: GPTConfig, train: Training, layout: Layout) -> None:
     check_context_and_experts(train, layout)
 
 
-def plan(cfg: GPTConfig, train: Training, layout: Layout, rates: Rates | None = None,
+def plan(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates | None = None,
          ranks: list[int] | None = None, schedule: str = "1f1b", gpu: str | GPU | None = None) -> Plan:
     """Bytes per rank (model state, activations, the memory a GPU reports), rank 0's communication per step, and
     the step time of the slowest stage when `rates` are given (with tokens/s per GPU, and MFU against `gpu`'s
@@ -1191,7 +1191,7 @@ def layouts(world: int) -> list[Layout]:
     return [Layout(*f) for f in _factorizations(world, 4)]
 
 
-def fitting_layouts(cfg: GPTConfig, gpus: int, gpu: str | GPU, rates: Rates | None = None, *, seq_len: int,
+def fitting_layouts(cfg: LlamaArgs, gpus: int, gpu: str | GPU, rates: Rates | None = None, *, seq_len: int,
                     global_batch: int, batch_size: int = 1, dtype: str = "bf16", checkpointing=CHECKPOINTING,
                     compile: bool = True, max_tp: int | None = None, fixed: dict | None = None, cp: int = 1,
                     moe_experts: int = 0, moe_top_k: int = 2, ep: int = 1) -> list[Plan]:
@@ -1230,7 +1230,7 @@ def fitting_layouts(cfg: GPTConfig, gpus: int, gpu: str | GPU, rates: Rates | No
 SHAPE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings")   # train.py's
 
 
-def model_flags(cfg: GPTConfig, init_from: str | None = None) -> dict:
+def model_flags(cfg: LlamaArgs, init_from: str | None = None) -> dict:
     """The recipe's flags that build `cfg` (its max_seq_len is --seq-len's): --init-from a Hugging Face folder, or
     the first preset whose other fields are cfg's, with the shape flags that differ from it. ValueError where no
     preset and flags make it (an feed-forward width of its own, another rope: only --init-from can)."""
@@ -1241,7 +1241,7 @@ def model_flags(cfg: GPTConfig, init_from: str | None = None) -> dict:
         if base == cfg:
             flags = {"model": name}
             for key in SHAPE_FLAGS:
-                default = getattr(GPTConfig(**fields), key)
+                default = getattr(LlamaArgs(**fields), key)
                 if getattr(cfg, key) != default or (key == "vocab_size" and "vocab_size" not in fields):
                     flags[key.replace("_", "-")] = getattr(cfg, key)
             if flags.pop("tie-embeddings", None):
@@ -1251,7 +1251,7 @@ def model_flags(cfg: GPTConfig, init_from: str | None = None) -> dict:
                      "or rotary settings are its own): train it with --init-from a Hugging Face folder")
 
 
-def torchrun_command(cfg: GPTConfig, train: Training, layout: Layout, script: str = "scripts/train/train.py",
+def torchrun_command(cfg: LlamaArgs, train: Training, layout: Layout, script: str = "scripts/train/train.py",
                      nodes: int = 1, init_from: str | None = None, **extra) -> str:
     """The recipe's command line for this plan: one node with --standalone, several with c10d rendezvous
     (HOST:29500 stands for the first node's address). `extra` adds flags (`steps=100` gives --steps 100). --cp,
@@ -1375,7 +1375,7 @@ def build_parser() -> Parser:
     return p
 
 
-def model_from_args(args, parser) -> tuple[GPTConfig, str | None]:
+def model_from_args(args, parser) -> tuple[LlamaArgs, str | None]:
     """The model the flags describe, and the --init-from folder for the torchrun line (with --hf-config)."""
     import json
     from pathlib import Path
@@ -1399,7 +1399,7 @@ def model_from_args(args, parser) -> tuple[GPTConfig, str | None]:
     return cfg, init_from
 
 
-def parallel_from_args(args, parser, cfg: GPTConfig, fixed: dict) -> dict:
+def parallel_from_args(args, parser, cfg: LlamaArgs, fixed: dict) -> dict:
     """Training's cp, moe_experts, moe_top_k, ep and compile from the flags (compile by default, but not with --cp
     or --moe-experts), refused in one line where the recipe would refuse them at the fixed degrees."""
     eager = args.cp > 1 or bool(args.moe_experts)

@@ -46,9 +46,9 @@ import data
 import hardware
 import parallelize as par
 from ac import apply_ac, apply_compile
-from config import PRESETS, GPTConfig, Layout, preset
+from config import PRESETS, LlamaArgs, Layout, preset
 from distributed import run_distributed, uses_gpu
-from model import GPT, cross_entropy
+from model import Llama, cross_entropy
 from cp import apply_cp, cp_shard
 from moe import MoE, apply_ep, apply_moe, moe_aux_loss
 
@@ -248,7 +248,7 @@ def check_schedule(name: str, pp: int, accum: int, n_layers: int, compiled: bool
                          "not compiled only: add --no-compile")
 
 
-def model_config(args) -> GPTConfig:
+def model_config(args) -> LlamaArgs:
     """The model's shape: --init-from's config.json, else the preset with the shape flags; the sequence length
     (the model's max_seq_len unless a Hugging Face config gives one); the vocabulary: the token file's rounded up to
     a multiple of VOCAB_MULTIPLE unless the preset, --init-from or --vocab-size fixes it, and never smaller than the
@@ -294,7 +294,7 @@ def profile_window(text) -> tuple[int, int] | None:
 def default_data() -> list[Path]:
     """CPython's language reference as byte tokens, prepared once per user (every rank may do it: the file is
     written under a temporary name and renamed, and every writer writes the same bytes)."""
-    path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt-recipe" / "pydoc_topics.u8"
+    path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-recipe" / "pydoc_topics.u8"
     if not data.meta_path(path).exists():
         data.prepare([data.default_corpus_text()], path)
     return [path]
@@ -406,7 +406,7 @@ def this_ranks_tokens(x, y, cp_mesh, device: torch.device):
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype, chunks: int = 1,
+def build_model(args, cfg: LlamaArgs, mesh, device: torch.device, dtype: torch.dtype, chunks: int = 1,
                 style: str = "loop", cp_mesh=None, ep_mesh=None):
     """The model made parallel by the layout, in torchtitan's order: built on the meta device, cut into this rank's
     pipeline stage, tensor parallel, activation checkpointing, compiled, sharded by FSDP2; then to_empty and
@@ -420,12 +420,12 @@ def build_model(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.d
     return parts, model, par.apply_ddp(model, mesh["dp_replicate"], device) if uses_ddp(args) else model
 
 
-def build_part(args, cfg: GPTConfig, mesh, device: torch.device, dtype: torch.dtype, chunk: int = 0,
+def build_part(args, cfg: LlamaArgs, mesh, device: torch.device, dtype: torch.dtype, chunk: int = 0,
                chunks: int = 1, style: str = "loop", cp_mesh=None, ep_mesh=None):
     """build_model's model, or with a pipeline the stage `chunk` of this rank's `chunks`; with `cp_mesh`, its
     attention a ring over the context-parallel ranks; with --moe-experts, experts (over `ep_mesh`'s ranks)."""
     with torch.device("meta"):                    # no memory yet: each rank materializes only its pieces
-        model = GPT(cfg)
+        model = Llama(cfg)
     shared_out = apply_experts(model, args, ep_mesh)     # the experts --ep shares out, which FSDP2 leaves alone
     if args.pp > 1:
         model = pipeline_split(model, mesh["pp"], chunk, chunks, style)
@@ -528,17 +528,17 @@ def balance_loss(model, args):
     return args.moe_aux_weight * moe_aux_loss(model) if args.moe_experts else 0.0
 
 
-def moe_extra_flops(cfg: GPTConfig, args) -> int:
+def moe_extra_flops(cfg: LlamaArgs, args) -> int:
     """Training FLOPs per token that experts add to the dense Llama's (config.flops_per_token): the router (dim x
     experts) and k - 1 more feed-forwards of the dense size. MFU counts the weights a token uses, not all of them.
-    plan.py (notebook 10) counts the same from the shapes; tests/test_plan_cp_moe.py holds the two equal."""
+    plan.py (notebook 10) counts the same from the shapes; tests/planner/test_plan_cp_moe.py holds the two equal."""
 
     if not args.moe_experts:
         return 0
     return 6 * cfg.n_layers * (cfg.dim * args.moe_experts + (args.moe_top_k - 1) * 3 * cfg.dim * cfg.hidden)
 
 
-def parameter_count(cfg: GPTConfig, args) -> int:
+def parameter_count(cfg: LlamaArgs, args) -> int:
     """Every weight of the model as built: the dense Llama's, each block's feed-forward --moe-experts times over,
     and a router beside them."""
     per_block = (args.moe_experts - 1) * 3 * cfg.dim * cfg.hidden + cfg.dim * args.moe_experts
@@ -784,7 +784,7 @@ class Meter(Window):
     published figures use); the matmul rate the ranks measured at the start (their sum) is the second figure, and
     on a CPU, which has no datasheet row, the only one. One process takes part in no collective."""
 
-    def __init__(self, args, cfg: GPTConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, args, cfg: LlamaArgs, device: torch.device, dtype: torch.dtype):
         self.world = dist.get_world_size()
         measured = torch.tensor([hardware.measured_matmul_peak(device, dtype)], dtype=torch.float64)
         if self.world > 1:

@@ -22,16 +22,16 @@ def holders_average(dp: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     import train
-    from config import GPTConfig
-    from model import GPT, cross_entropy
+    from config import LlamaArgs
+    from model import Llama, cross_entropy
     from moe import apply_ep, apply_moe
 
     dist.init_process_group("gloo")
     try:
         rank = dist.get_rank()
-        cfg = GPTConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8, multiple_of=16)
+        cfg = LlamaArgs(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8, multiple_of=16)
         with torch.device("meta"):
-            model = GPT(cfg)
+            model = Llama(cfg)
             apply_moe(model, 2, 1)
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("ep_replica", "ep"))
         apply_ep(model, mesh["ep"])

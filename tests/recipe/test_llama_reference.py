@@ -14,8 +14,8 @@ import torch
 from helpers.paths import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS / "train"))
-from config import GPTConfig, config_from_hf, hf_config, preset  # noqa: E402
-from model import GPT, KVCache, from_hf, to_hf  # noqa: E402
+from config import LlamaArgs, config_from_hf, hf_config, preset  # noqa: E402
+from model import Llama, KVCache, from_hf, to_hf  # noqa: E402
 
 # float32 on the CPU: the two implementations differ only in the order of a few sums (measured: about 2e-7 of logits
 # near 1); a wrong rotation, a head mapped to the wrong key/value group or a missing scale moves them by 0.1 or more
@@ -29,8 +29,8 @@ def _pair(convert=to_hf, **shape):
     """Our model with seeded weights, and transformers' Llama holding the same weights (converted by `convert`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = GPTConfig(**{**SMALL, **shape})
-    ours = GPT(cfg)
+    cfg = LlamaArgs(**{**SMALL, **shape})
+    ours = Llama(cfg)
     ours.init_weights(seed=7)
     with torch.no_grad():        # sharper attention than at initialisation (a trained model's): where positions matter
         for name, p in ours.named_parameters():
@@ -66,8 +66,8 @@ def test_without_the_rotary_reordering_the_logits_differ():
 
 
 def test_the_conversion_round_trips_and_the_config_reads_back():
-    cfg = GPTConfig(**SMALL, n_kv_heads=2, tie_embeddings=True, rope_scaling=LLAMA31_SCALING)
-    model = GPT(cfg)
+    cfg = LlamaArgs(**SMALL, n_kv_heads=2, tie_embeddings=True, rope_scaling=LLAMA31_SCALING)
+    model = Llama(cfg)
     model.init_weights(seed=1)
     for name, t in model.state_dict().items():
         assert torch.equal(from_hf(name, to_hf(name, t, cfg)[1], cfg), t), name
@@ -82,7 +82,7 @@ def test_transformers_own_config_reads_back_as_the_same_model():
     """A config.json as transformers 5 writes it (rope_parameters instead of rope_theta and rope_scaling)."""
     from transformers import LlamaConfig
 
-    cfg = GPTConfig(**SMALL, n_kv_heads=2, rope_theta=500000.0, rope_scaling=LLAMA31_SCALING)
+    cfg = LlamaArgs(**SMALL, n_kv_heads=2, rope_theta=500000.0, rope_scaling=LLAMA31_SCALING)
     written = LlamaConfig(**hf_config(cfg)).to_dict()
     back = config_from_hf(written)
     assert (back.rope_theta, back.rope_scaling, back.n_kv_heads, back.hidden) == \
@@ -94,7 +94,7 @@ def test_transformers_own_config_reads_back_as_the_same_model():
                                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'")])
 def test_a_config_that_is_not_this_llama_is_refused_in_one_line(bad, message):
     with pytest.raises(ValueError, match=message) as refused:
-        config_from_hf({**hf_config(GPTConfig(**SMALL)), **bad})
+        config_from_hf({**hf_config(LlamaArgs(**SMALL)), **bad})
     assert "\n" not in str(refused.value)
 
 
@@ -110,14 +110,14 @@ def test_the_presets_have_the_released_models_sizes(name, parameters, hidden):
     assert cfg.hidden == hidden, "Llama's rounding of 2/3 x 4 x dim x multiplier to multiple_of"
     assert cfg.num_params() == parameters
     with torch.device("meta"):
-        assert sum(p.numel() for p in GPT(preset(name, n_layers=1)).parameters()) == \
+        assert sum(p.numel() for p in Llama(preset(name, n_layers=1)).parameters()) == \
             preset(name, n_layers=1).num_params(), "the formula counts what the module holds"
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 1])
 def test_the_key_value_cache_changes_no_logit(n_kv_heads):
     """Prefill 10 tokens, then one at a time, then 15 at once after cached ones: the logits of a single pass."""
-    model = GPT(GPTConfig(**SMALL, n_kv_heads=n_kv_heads)).eval()
+    model = Llama(LlamaArgs(**SMALL, n_kv_heads=n_kv_heads)).eval()
     model.init_weights(seed=3)
     with torch.no_grad():
         whole = model(TOKENS)

@@ -16,7 +16,7 @@ from helpers.cluster.torchrun import torchrun_lines
 
 from helpers.paths import SCRIPTS
 
-if str(SCRIPTS / "train") not in sys.path:  # the recipe's GPT (scripts/train/model.py), imported as notebooks do
+if str(SCRIPTS / "train") not in sys.path:  # the recipe's Llama (scripts/train/model.py), imported as notebooks do
     sys.path.insert(0, str(SCRIPTS / "train"))
 
 
@@ -114,12 +114,12 @@ def test_text_tokenizer_round_trips_the_corpus():
     assert x.shape == y.shape == (3, 16) and torch.equal(x[:, 1:], y[:, :-1])
 
 
-def test_the_recipes_gpt_starts_near_uniform_loss_on_the_text_data():
+def test_the_recipes_llama_starts_near_uniform_loss_on_the_text_data():
     import torch.nn.functional as F
-    from model import GPT, GPTConfig
+    from model import Llama, LlamaArgs
 
     tokens, tok = data.text_tokens()
-    model = GPT(GPTConfig(vocab_size=tok.vocab_size, dim=64, n_layers=2, n_heads=2, max_seq_len=32))
+    model = Llama(LlamaArgs(vocab_size=tok.vocab_size, dim=64, n_layers=2, n_heads=2, max_seq_len=32))
     model.init_weights(seed=0)
     x, y = data.text_batch(tokens, 8, 32, torch.Generator().manual_seed(0))
     logits = model(x)

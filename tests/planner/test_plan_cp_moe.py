@@ -18,17 +18,17 @@ from helpers.paths import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS / "train"))
 import plan as P  # noqa: E402
-from config import GPTConfig, preset  # noqa: E402
+from config import LlamaArgs, preset  # noqa: E402
 
-CFG = GPTConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=32)
+CFG = LlamaArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=32)
 EXPERTS, TOP_K = 4, 2
 
 
-def moe_model(cfg: GPTConfig, experts: int = EXPERTS, top_k: int = TOP_K):
-    from model import GPT
+def moe_model(cfg: LlamaArgs, experts: int = EXPERTS, top_k: int = TOP_K):
+    from model import Llama
     from moe import apply_moe
 
-    model = GPT(cfg)
+    model = Llama(cfg)
     apply_moe(model, experts, top_k)
     return model
 
@@ -151,7 +151,7 @@ def test_moe_activations_are_what_a_forward_keeps(precision, checkpointing):
 # ------------------------------------------------------------------------------------------------ two gloo ranks
 
 def _two_rank_worker(cfg, experts, top_k, batch, scripts):
-    """On 2 ranks: (1) the recipe's GPT with apply_cp under each --ac: the bytes one forward leaves alive and the
+    """On 2 ranks: (1) the recipe's Llama with apply_cp under each --ac: the bytes one forward leaves alive and the
     bytes the ring sends in forward and backward; (2) with apply_moe and apply_ep: the same, with each all-to-all's
     bytes and the rows the router sent to each expert; (3) each under FSDP2 over both ranks (the experts outside
     it, whole on their rank), one AdamW step: this rank's model state and every collective of a second step."""
@@ -170,7 +170,7 @@ def _two_rank_worker(cfg, experts, top_k, batch, scripts):
     from helpers.measure.activations import LiveTensorBytes
     from helpers.measure.comm_log import CollectiveLog
     from helpers.measure.memory import allocated_state_bytes, model_state_bytes
-    from model import GPT, cross_entropy
+    from model import Llama, cross_entropy
     from moe import apply_ep, apply_moe
 
     warnings.filterwarnings("ignore")
@@ -185,7 +185,7 @@ def _two_rank_worker(cfg, experts, top_k, batch, scripts):
 
         def build(kind, ac="none", fsdp=False):     # as the recipe builds: meta, apply_*, materialize, init
             with torch.device("meta"):
-                model = GPT(cfg)
+                model = Llama(cfg)
             if kind == "cp":
                 apply_cp(model, cp_mesh)
             else:

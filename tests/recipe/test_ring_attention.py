@@ -51,7 +51,7 @@ def test_the_online_softmax_merges_blocks_into_whole_causal_attention():
 
 def _ring_against_one_process(log_factory):
     """float64 q, k, v (4 query heads, 2 key/value heads): the ring on each rank's chunks against causal SDPA on the
-    whole sequence, forward and backward, balanced and contiguous; then the GPT with apply_cp against the plain GPT.
+    whole sequence, forward and backward, balanced and contiguous; then the Llama with apply_cp against the plain Llama.
     Returns the largest gaps and the bytes each rank sent."""
     import sys
 
@@ -61,9 +61,9 @@ def _ring_against_one_process(log_factory):
     from torch.distributed.device_mesh import init_device_mesh
 
     sys.path.insert(0, str(SCRIPTS / "train"))
-    from config import GPTConfig
+    from config import LlamaArgs
     from cp import RingAttention, apply_cp, cp_positions, cp_shard
-    from model import GPT, cross_entropy
+    from model import Llama, cross_entropy
 
     dist.init_process_group("gloo")
     try:
@@ -87,9 +87,9 @@ def _ring_against_one_process(log_factory):
             sent.append(log.bytes("send"))
             pairs = [(out, one[:, :, mine])] + [(a.grad, b.grad[:, :, mine]) for a, b in zip(local, whole)]
             gaps.append(max((a - b).abs().max().item() for a, b in pairs))
-        cfg = GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=seq, multiple_of=16)
+        cfg = LlamaArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=seq, multiple_of=16)
         tokens = torch.randint(0, 64, (2, seq + 1), generator=g)
-        reference, model = GPT(cfg), GPT(cfg)
+        reference, model = Llama(cfg), Llama(cfg)
         for m in (reference, model):
             m.init_weights(0)
         cross_entropy(reference(tokens[:, :-1]), tokens[:, 1:]).backward()

@@ -11,7 +11,7 @@ from helpers.measure.memory import (CUDA_BLOCK_BYTES, allocated_state_bytes, cud
 
 from helpers.paths import SCRIPTS
 
-if str(SCRIPTS / "train") not in sys.path:  # the recipe's GPT (scripts/train/model.py), imported as notebooks do
+if str(SCRIPTS / "train") not in sys.path:  # the recipe's Llama (scripts/train/model.py), imported as notebooks do
     sys.path.insert(0, str(SCRIPTS / "train"))
 
 
@@ -60,16 +60,16 @@ def _step_memory_worker(vocab):
 
     from helpers.measure.memory import step_memory
     import torch.nn.functional as F
-    from model import GPT, GPTConfig
+    from model import Llama, LlamaArgs
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
-    config = GPTConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=2, max_seq_len=8)
+    config = LlamaArgs(vocab_size=vocab, dim=32, n_layers=2, n_heads=2, max_seq_len=8)
     x = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
 
     def build(reshard):
         torch.manual_seed(0)
-        model = GPT(config)
+        model = Llama(config)
         if reshard == "plain":
             return model
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -82,7 +82,7 @@ def _step_memory_worker(vocab):
         out = {r: step_memory(lambda r=r: build(r), lambda m: F.cross_entropy(m(x).flatten(0, 1), x.flatten()), "cpu")
                for r in ("plain", None, False, True)}
         with torch.device("meta"):
-            model = GPT(config)
+            model = Llama(config)
         out["numel"] = {"all": sum(p.numel() for p in model.parameters()),
                         "blocks": sum(p.numel() for p in model.layers.parameters())}
         return out

@@ -14,8 +14,8 @@ from helpers.measure.comm_log import CollectiveLog
 from helpers.paths import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS / "train"))
-from config import GPTConfig  # noqa: E402
-from model import GPT  # noqa: E402
+from config import LlamaArgs  # noqa: E402
+from model import Llama  # noqa: E402
 from moe import MoE, apply_moe, moe_aux_loss  # noqa: E402
 
 
@@ -65,9 +65,9 @@ def test_top_k_outside_one_to_n_experts_is_refused():
 
 
 def test_apply_moe_swaps_every_feed_forward_and_init_weights_draws_the_experts():
-    cfg = GPTConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, multiple_of=16, max_seq_len=8)
+    cfg = LlamaArgs(vocab_size=32, dim=32, n_layers=2, n_heads=4, multiple_of=16, max_seq_len=8)
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = Llama(cfg)
         apply_moe(model, n_experts=4, top_k=2)
     model.to_empty(device="cpu")
     model.init_weights(0)
@@ -79,11 +79,11 @@ def test_apply_moe_swaps_every_feed_forward_and_init_weights_draws_the_experts()
     assert names["layers.0.feed_forward.experts.w2.weight"].std().item() < 0.6 * 0.02
     tokens = torch.randint(0, 32, (2, 8))
     model(tokens)
-    assert moe_aux_loss(model).item() > 0 and moe_aux_loss(GPT(cfg)).item() == 0
+    assert moe_aux_loss(model).item() > 0 and moe_aux_loss(Llama(cfg)).item() == 0
 
 
 def _expert_parallel_against_one_process(log_factory):
-    """The GPT with MoE feed-forwards, experts sharded over the ranks (each rank half the batch) against one process
+    """The Llama with MoE feed-forwards, experts sharded over the ranks (each rank half the batch) against one process
     (the whole batch); the all-to-all bytes; AllToAll there and back, forward and backward."""
     import sys
 
@@ -94,22 +94,22 @@ def _expert_parallel_against_one_process(log_factory):
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     sys.path.insert(0, str(SCRIPTS / "train"))
-    from config import GPTConfig
-    from model import GPT
+    from config import LlamaArgs
+    from model import Llama
     from moe import AllToAll, apply_ep, apply_moe
 
     dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))["ep"]
-        cfg = GPTConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=8)
+        cfg = LlamaArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=8)
         tokens = torch.randint(0, 64, (2 * world, 9), generator=torch.Generator().manual_seed(0))
         x, y = tokens[:, :-1], tokens[:, 1:]
         mine = slice(2 * rank, 2 * rank + 2)
 
         def build(ep):
             with torch.device("meta"):
-                model = GPT(cfg)
+                model = Llama(cfg)
             apply_moe(model, n_experts=2 * world, top_k=2)
             if ep:
                 apply_ep(model, mesh)

@@ -114,13 +114,13 @@ def test_notebook_05_full_size_gpu_model_has_over_100m_parameters(monkeypatch):
     exec("".join(cell["source"]), params)
     monkeypatch.syspath_prepend(str(SCRIPTS / "train"))
     from config import preset
-    from model import GPT
+    from model import Llama
 
     sizes = params["GPU_SIZES"]
     cfg = preset("tiny", vocab_size=256, dim=sizes["dim"], n_layers=sizes["n_layers"], n_heads=sizes["n_heads"],
                  n_kv_heads=sizes.get("n_kv_heads"), max_seq_len=sizes["seq_len"])
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = Llama(cfg)
     assert sum(p.numel() for p in model.parameters()) >= 100e6
 
 

@@ -10,7 +10,7 @@ evaluation, on 2 real processes (helpers.launch):
   tokens/s;
 - the pipeline's evaluation builds its schedule once for the run, not once per batch.
 The runs that prove the rest end to end (SIGTERM within one check, dropout resumed bit for bit, the TensorBoard,
-profiler and memory-snapshot flags) are tests/test_train_recipe.py's."""
+profiler and memory-snapshot flags) are tests/recipe/test_train_recipe.py's."""
 from __future__ import annotations
 
 import argparse
@@ -157,13 +157,13 @@ def test_the_pipelines_evaluation_builds_its_schedule_once(tmp_path):
 
 
 def _initialise_at_two_layouts():
-    """The GPT initialised whole in one process, sharded by FSDP2 and split by tensor parallelism on these ranks:
+    """The Llama initialised whole in one process, sharded by FSDP2 and split by tensor parallelism on these ranks:
     every parameter gathered whole, and how many numbers this rank drew from a generator for each."""
     import torch
     import torch.distributed as dist
 
     from config import preset
-    from model import GPT
+    from model import Llama
     from parallelize import apply_fsdp, build_mesh
     from tp import apply_tp
 
@@ -180,10 +180,10 @@ def _initialise_at_two_layouts():
     try:
         for name, (shard, tp) in {"fsdp": (world, 1), "tp": (1, world), "whole": (None, None)}.items():
             if shard is None:
-                model = GPT(cfg)
+                model = Llama(cfg)
             else:
                 with torch.device("meta"):
-                    model = GPT(cfg)
+                    model = Llama(cfg)
                 mesh = build_mesh(world, 1, shard, tp, 1, "cpu", cfg, 32)
                 apply_tp(model, mesh["tp"], loss_parallel=True) if tp > 1 else apply_fsdp(model, mesh["dp_shard"])
                 model.to_empty(device="cpu")

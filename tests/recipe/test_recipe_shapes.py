@@ -13,7 +13,7 @@ from helpers.paths import SCRIPTS
 
 
 def _forward_at_tp(tp, n_heads, n_kv_heads):
-    """The recipe's GPU-sized GPT (one block) built as train.py builds it at --tp `tp`: logits' global and local
+    """The recipe's GPU-sized Llama (one block) built as train.py builds it at --tp `tp`: logits' global and local
     shapes."""
     import sys
 
@@ -23,7 +23,7 @@ def _forward_at_tp(tp, n_heads, n_kv_heads):
 
     sys.path.insert(0, str(SCRIPTS / "train"))
     from config import preset
-    from model import GPT
+    from model import Llama
     from parallelize import build_mesh
     from tp import apply_tp
     from train import GPU_DEFAULTS
@@ -34,7 +34,7 @@ def _forward_at_tp(tp, n_heads, n_kv_heads):
     try:
         mesh = build_mesh(tp, 1, 1, tp, 1, "cpu", cfg, seq_len)
         with torch.device("meta"):
-            model = GPT(cfg)
+            model = Llama(cfg)
         apply_tp(model, mesh["tp"])
         model.to_empty(device="cpu")
         model.init_weights(0)
@@ -68,7 +68,7 @@ def test_heads_that_tp_cannot_split_are_refused_before_anything_starts(monkeypat
 
 
 def _pipeline_splits(pp, chunks, n_layers, style="loop"):
-    """The recipe's pipeline_split of its GPT (meta device) on each rank of a pp-rank pipeline with `chunks` stages
+    """The recipe's pipeline_split of its Llama (meta device) on each rank of a pp-rank pipeline with `chunks` stages
     per rank, each rank played in turn through torch's fake process group: {(rank, chunk): parameter names}, or
     the ValueError's message."""
     import sys
@@ -78,12 +78,12 @@ def _pipeline_splits(pp, chunks, n_layers, style="loop"):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     sys.path.insert(0, str(SCRIPTS / "train"))
-    from config import GPTConfig
-    from model import GPT
+    from config import LlamaArgs
+    from model import Llama
     from parallelize import build_mesh
     from pipeline import pipeline_split
 
-    cfg = GPTConfig(vocab_size=64, dim=16, n_layers=n_layers, n_heads=2, max_seq_len=8)
+    cfg = LlamaArgs(vocab_size=64, dim=16, n_layers=n_layers, n_heads=2, max_seq_len=8)
     kept = {}
     for rank in range(pp):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp)
@@ -91,7 +91,7 @@ def _pipeline_splits(pp, chunks, n_layers, style="loop"):
             pp_mesh = build_mesh(pp, 1, 1, 1, pp, "cpu")["pp"]
             for chunk in range(chunks):
                 with torch.device("meta"):
-                    model = GPT(cfg)
+                    model = Llama(cfg)
                 try:
                     stage = pipeline_split(model, pp_mesh, chunk, chunks, style)
                 except ValueError as e:
@@ -100,7 +100,7 @@ def _pipeline_splits(pp, chunks, n_layers, style="loop"):
         finally:
             dist.destroy_process_group()
     with torch.device("meta"):
-        kept["whole"] = sorted(n for n, _ in GPT(cfg).named_parameters())
+        kept["whole"] = sorted(n for n, _ in Llama(cfg).named_parameters())
     return kept
 
 

@@ -28,21 +28,21 @@ from helpers.paths import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS / "train"))
 import plan as P  # noqa: E402
-from config import GPTConfig, preset  # noqa: E402
+from config import LlamaArgs, preset  # noqa: E402
 
-SMALL = GPTConfig(vocab_size=7, dim=4, n_layers=1, n_heads=2, n_kv_heads=1, multiple_of=4, max_seq_len=5)
-TINY = GPTConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=64)
+SMALL = LlamaArgs(vocab_size=7, dim=4, n_layers=1, n_heads=2, n_kv_heads=1, multiple_of=4, max_seq_len=5)
+TINY = LlamaArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=64)
 
 
-def recipe_model(cfg: GPTConfig):
-    from model import GPT
+def recipe_model(cfg: LlamaArgs):
+    from model import Llama
 
-    return GPT(cfg)
+    return Llama(cfg)
 
 
 # ---------------------------------------------------------------------------------------------- parameter count
 
-@pytest.mark.parametrize("cfg", [SMALL, TINY, GPTConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4,
+@pytest.mark.parametrize("cfg", [SMALL, TINY, LlamaArgs(vocab_size=97, dim=64, n_layers=2, n_heads=4,
                                                          tie_embeddings=True),
                                  *(preset(name) for name in ("llama2-7b", "llama3-8b"))])
 def test_parameter_count_and_shapes_are_the_models(cfg):
@@ -148,7 +148,7 @@ def test_layer_activations_against_the_playbook_formula(s, b, h, a):
     # log-sum-exp per row and head (+4 a s b), RMSNorm keeps one fp32 rstd per row (+2 x 4 s b), and SwiGLU keeps
     # four tensors of its hidden width (w1's and w3's outputs, silu's, the product) where the GELU MLP kept two of
     # 4h (-16 s*b*h, +8 s*b*hidden). Rotary positions keep nothing new per block (cos and sin are buffers).
-    cfg = GPTConfig(vocab_size=256, dim=h, n_layers=1, n_heads=a, max_seq_len=s)
+    cfg = LlamaArgs(vocab_size=256, dim=h, n_layers=1, n_heads=a, max_seq_len=s)
     train = P.Training(seq_len=s, batch_size=b, precision="bf16-fsdp")
     ours = sum(P.layer_activations(cfg, train, tp=1).values())
     assert ours == _korthikanti(s, b, h, a) - 2 * s * b * h - 5 * a * s * s * b + 4 * a * s * b + 8 * s * b \
@@ -454,7 +454,7 @@ def _model_state_worker(cfg, warmup, train, scripts):
     import parallelize as par
     from helpers.measure.comm_log import CollectiveLog
     from helpers.measure.memory import allocated_state_bytes, model_state_bytes
-    from model import GPT
+    from model import Llama
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
@@ -475,7 +475,7 @@ def _model_state_worker(cfg, warmup, train, scripts):
 
         for name in ("fsdp", "ddp"):
             torch.manual_seed(0)
-            model = GPT(cfg)
+            model = Llama(cfg)
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
             if name == "fsdp":
                 par.apply_fsdp(model, mesh)
@@ -500,7 +500,7 @@ def _model_state_worker(cfg, warmup, train, scripts):
 def test_model_state_and_collectives_match_fsdp2_and_ddp_on_two_ranks():
     import helpers
 
-    cfg = GPTConfig(vocab_size=7, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, multiple_of=4, max_seq_len=5)
+    cfg = LlamaArgs(vocab_size=7, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, multiple_of=4, max_seq_len=5)
     train = P.Training(seq_len=5, batch_size=2, grad_accum=2)  # 7 vocabulary rows and 1 x 4 key/value rows: padding
     results = helpers.launch(_model_state_worker, cfg, 2, train, str(SCRIPTS / "train"), world_size=2, timeout=180,
                              quiet=True)

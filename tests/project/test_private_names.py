@@ -16,7 +16,7 @@ import pytest
 
 from helpers import torch_private
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT_PACKAGES = ("helpers", "tools")
 SOURCES = sorted(p for package in PROJECT_PACKAGES if (ROOT / package).is_dir()
                  for p in (ROOT / package).rglob("*.py"))

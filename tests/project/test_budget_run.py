@@ -94,7 +94,7 @@ def test_arguments_after_the_separator_go_to_pytest_untouched():
     args, rest = parse_arguments(["full", "05", "03b", "--budget", "300", "--out", "/tmp/x"])
     assert (args.mode, args.budget, str(args.out), rest) == ("full", 300.0, "/tmp/x", ["05", "03b"])
     with pytest.raises(SystemExit):
-        parse_arguments(["tests", "tests/test_launch.py"])  # a pytest argument without -- is refused, not dropped
+        parse_arguments(["tests", "tests/launcher/test_launch.py"])  # a pytest argument without -- is refused, not dropped
 
 
 def test_failed_tests_are_named_from_the_per_test_lines_even_without_pytests_summary():

@@ -156,7 +156,7 @@ def runs(workspace) -> dict[str, Result]:
         Job("cp", ["--cp", "2", "--ac", "selective"], 2),
         # experts: 2 ranks, each holding half of them, 2 micro-batches each, against one process whose 4
         # micro-batches are theirs (the balancing loss is taken over each quarter of the batch in both); experts held
-        # by several ranks: tests/test_expert_grads.py
+        # by several ranks: tests/recipe/test_expert_grads.py
         Job("moe_one", [*MOE, "--accum", "4", "--ckpt-dir", "ck_moe_one"], 1),
         Job("moe_ep", [*MOE, "--ep", "2", "--accum", "2", "--ac", "alternate", "--ckpt-dir", "ck_moe_ep"], 2),
     ], PARALLEL, ["tokens.bin"])
@@ -269,8 +269,8 @@ def test_experts_shared_out_over_two_ranks_match_one_process(runs, workspace):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from config import GPTConfig
-    from model import GPT
+    from config import LlamaArgs
+    from model import Llama
     from moe import apply_moe
 
     for name in ("moe_one", "moe_ep"):
@@ -287,7 +287,7 @@ def test_experts_shared_out_over_two_ranks_match_one_process(runs, workspace):
         step = root / folder / "step_00000004"
         config = json.loads((step / "config.json").read_text())
         with torch.device("meta"):
-            model = GPT(GPTConfig(**config["model"]))
+            model = Llama(LlamaArgs(**config["model"]))
             apply_moe(model, config["args"]["moe_experts"], config["args"]["moe_top_k"])
         model.to_empty(device="cpu")
         state = model.state_dict()

@@ -10,7 +10,7 @@ from helpers.measure import tensor_parallel
 
 def test_tp_table_prints_each_setting_with_its_gaps_and_block_zero_collectives():
     report = {"logits_placements": "(Shard(dim=2),)", "logits_gap": 1.5e-7, "grad_gap": 2.5e-7,
-              "per_module": {"GPT.layers.0": {"forward": {"all_reduce": 2}}}, "total": {"all_reduce": 7}}
+              "per_module": {"Llama.layers.0": {"forward": {"all_reduce": 2}}}, "total": {"all_reduce": 7}}
     lines = tensor_parallel.tp_table({False: report, True: {**report, "per_module": {}}}).splitlines()
     assert len(lines) == 6
     assert lines[0] == ("sequence parallel False: logits (Shard(dim=2),), max |logits - reference| 1.50e-07, "

@@ -12,7 +12,7 @@ from helpers.measure.fsdp import fsdp_state_bytes, padded_numel, padded_rows, pa
 
 from helpers.paths import SCRIPTS
 
-if str(SCRIPTS / "train") not in sys.path:  # the recipe's GPT (scripts/train/model.py), imported as notebooks do
+if str(SCRIPTS / "train") not in sys.path:  # the recipe's Llama (scripts/train/model.py), imported as notebooks do
     sys.path.insert(0, str(SCRIPTS / "train"))
 
 SHAPES = [(103, 128), (64, 128), (384, 128), (384,), (128,), (5, 3), (1, 7)]
@@ -61,13 +61,13 @@ def _fsdp_bytes_worker(vocab):
 
     from helpers.measure.memory import allocated_state_bytes, model_state_bytes
     import torch.nn.functional as F
-    from model import GPT, GPTConfig
+    from model import Llama, LlamaArgs
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab, dim=32, n_layers=1, n_heads=2, max_seq_len=8))
+    model = Llama(LlamaArgs(vocab_size=vocab, dim=32, n_layers=1, n_heads=2, max_seq_len=8))
     shapes = [tuple(p.shape) for p in model.parameters()]
     for block in model.layers.values():
         fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
@@ -112,13 +112,13 @@ def test_gathered_numel_pads_every_parameter_and_splits_root_from_blocks():
 
 
 def test_gathered_numel_reads_the_recipes_layers_as_the_blocks():
-    from config import GPTConfig
-    from model import GPT
+    from config import LlamaArgs
+    from model import Llama
 
     from helpers.measure.fsdp import gathered_numel
 
     with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=5, multiple_of=8))
+        model = Llama(LlamaArgs(vocab_size=11, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=5, multiple_of=8))
     root, blocks = gathered_numel(model, 3)
     # root: tok_embeddings 11x8 (12 rows padded), norm 8 (9), output 11x8 (12); the rotary tables are buffers
     assert root == (12 + 12) * 8 + 9

@@ -131,7 +131,7 @@ def _copy_project(root: Path, notebook: str) -> Path:
     nb = json.loads(path.read_text())
     cell = next(c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", []))
     source = "".join(cell["source"])
-    smoke, n = re.subn(r"^SMOKE\s*=.*$", "SMOKE = True  # set by tests/test_browser.py", source, flags=re.M)
+    smoke, n = re.subn(r"^SMOKE\s*=.*$", "SMOKE = True  # set by tests/notebooks/test_browser.py", source, flags=re.M)
     assert n == 1, f"{notebook}'s parameters cell has no 'SMOKE = ...' line"
     cell["source"] = smoke.splitlines(keepends=True)
     path.write_text(json.dumps(nb, indent=1) + "\n")
