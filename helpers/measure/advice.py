@@ -14,10 +14,12 @@ its wording, live here once:
   (below or above otherwise), 'inconclusive', 'not comparable here'. `judge_finding` does the same for advice
   whose test is a yes/no finding (an API this torch has, a warning it raises, an exception clause that ran), the
   finding computed by the caller from what it ran.
-- `machine_setting()` reads the facts a claim's setting is made of (GPUs and their kind, nodes, InfiniBand or
-  RoCE devices, NUMA nodes) from this machine, and `missing(machine, gpus=8, infiniband=True, ...)` names each
-  one this machine lacks. A verdict is 'not comparable here' only through that list (`judge(..., missing=...)`),
-  so on a machine that reports the facts the same cell measures instead: the setting is read, never typed.
+- `machine_setting()` reads the machine's facts a claim's setting is made of (GPUs, their kind and memory,
+  InfiniBand or RoCE devices, NUMA nodes, host memory); `workload(...)` holds the facts of what a cell ran (the
+  model's parameters, the ranks, the nodes its ranks really ran on, the memory a rank was held to, a step's
+  peak). `missing(machine, run, gpus=8, model=("ResNet-50", ...), nodes=2, ...)` names each fact of either kind
+  that is short. A verdict is 'not comparable here' only through that list (`judge(..., missing=...)`), so on a
+  machine, and with a workload, that has the setting the same cell measures instead: read, never typed.
 - `median_interval` is the noise of a median (a seeded bootstrap), shared by every module that times something.
 
 A notebook never asserts a verdict's outcome (that would fix a noisy result in advance); it asserts properties of
@@ -120,13 +122,20 @@ def answer(placement: str) -> str:
 
 
 def _lacks(missing) -> str:
-    return "this machine lacks " + "; ".join(missing) if missing else ""
+    return "missing here: " + "; ".join(missing) if missing else ""
+
+
+GIB = 2 ** 30
+# A model "of X's size": its parameter count within this factor of X's, either way. What a claim about a named
+# model turns on here (bytes per gradient, per bucket, per all-reduce) scales with the parameter count.
+SIZE_CLASS = 2.0
 
 
 def machine_setting() -> dict:
-    """The facts a claim's setting is made of, as this machine reports them: GPUs (count, names, compute
-    capability, memory of the first), nodes of this job (SLURM's or torchrun's count; 1 for a notebook on one
-    machine), InfiniBand or RoCE devices (/sys/class/infiniband), NUMA nodes, numactl, cores, TCP buffers."""
+    """The facts of this machine a claim's setting is made of: GPUs (count, names, compute capability, memory of
+    the first), InfiniBand or RoCE devices (/sys/class/infiniband), NUMA nodes, numactl, cores, host memory, TCP
+    buffers, and the nodes the job was allocated (SLURM's count; 1 outside SLURM). The allocation is shown, never
+    used as a claim's node count: a cell's ranks span the nodes its launch put them on (`workload(hosts=...)`)."""
     import os
 
     import torch
@@ -138,31 +147,75 @@ def machine_setting() -> dict:
     gpus = facts["gpus"]
     capability = torch.cuda.get_device_capability(0) if gpus else None
     memory = torch.cuda.get_device_properties(0).total_memory if gpus else 0
-    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or max(1, world // local))
+    allocated = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
     return {"gpus": gpus, "gpu_names": facts["gpu_names"], "capability": capability, "gpu_memory": memory,
-            "nodes": nodes, "infiniband": net["infiniband"], "numa_nodes": net["numa_nodes"] or 1,
-            "numactl": net["numactl"], "cores": facts["cores"], "tcp_rmem": net["tcp_rmem"]}
+            "allocated_nodes": allocated, "infiniband": net["infiniband"], "numa_nodes": net["numa_nodes"] or 1,
+            "numactl": net["numactl"], "cores": facts["cores"],
+            "host_memory": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "tcp_rmem": net["tcp_rmem"]}
 
 
-def missing(machine: dict, *, gpus: int = 0, gpu_memory_gb: float = 0, capability: tuple[int, int] | None = None,
-            nodes: int = 1, infiniband: bool = False, numa_nodes: int = 1) -> list[str]:
-    """Each fact of a claim's setting that `machine` (`machine_setting()`, or a test's stand-in) lacks, as a
-    phrase naming what the claim needs and what this machine has; [] where the setting is present."""
+def workload(*, params: float | None = None, ranks: int | None = None, hosts=None, memory: float | None = None,
+             peak: float | None = None) -> dict:
+    """The facts of a cell's run that a claim's setting may also name, for `missing`:
+
+    params: the model's parameter count. ranks: the world size of the run. hosts: the host name each rank (or
+    agent) reported; the run spans as many nodes as there are distinct names. A launch from this kernel puts
+    every rank on this machine, whatever the job was allocated; None: not known. memory: the bytes one rank may
+    use (a cap the run is held to, or its whole device). peak: the bytes one step of the run peaked at, per rank.
+    """
+    return {"params": params, "ranks": ranks, "nodes": len(set(hosts)) if hosts else None, "memory": memory,
+            "peak": peak}
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.0f} GiB"
+
+
+def missing(machine: dict, run: dict | None = None, *, gpus: int = 0, gpu_memory: float = 0,
+            capability: tuple[int, int] | None = None, nodes: int = 1, infiniband: bool = False, numa_nodes: int = 1,
+            model: tuple[str, float] | None = None, ranks: int | None = None,
+            out_of_memory: bool = False) -> list[str]:
+    """Each fact of a claim's setting that `machine` (`machine_setting()`, or a test's stand-in) or the cell's
+    `run` (`workload(...)`) lacks, as a phrase naming what the claim needs and what is here; [] where the setting
+    is present.
+
+    Machine facts: gpus, capability, infiniband, numa_nodes, and GPUs of `gpu_memory` bytes. Workload facts: a run
+    held to `gpu_memory` bytes a GPU (within 5%: a claim about 80 GiB GPUs is judged at 80 GiB, not on a larger
+    GPU's whole memory), ranks on `nodes` nodes (the nodes its launch spans), a `model` (name, parameters) of that
+    size class (`SIZE_CLASS`), a run on `ranks` ranks, a step that does not fit (`out_of_memory`: its peak above
+    the memory a rank has)."""
+    run = run or {}
     lacks = []
     if machine["gpus"] < gpus:
-        lacks.append(f"{gpus} GPU(s) (it has {machine['gpus']})")
-    if gpu_memory_gb and machine["gpus"] and machine["gpu_memory"] < gpu_memory_gb * 0.95e9:
-        lacks.append(f"GPUs of {gpu_memory_gb:g} GB (its first has {machine['gpu_memory'] / 1e9:.0f} GB)")
+        lacks.append(f"{gpus} GPU(s) (this machine has {machine['gpus']})")
+    if gpu_memory and machine["gpus"]:
+        held = run.get("memory") or machine["gpu_memory"]
+        if machine["gpu_memory"] < 0.95 * gpu_memory:
+            lacks.append(f"GPUs of {_gib(gpu_memory)} (this machine's first has {_gib(machine['gpu_memory'])})")
+        elif abs(held / gpu_memory - 1) > 0.05:
+            lacks.append(f"a run held to {_gib(gpu_memory)} a GPU, the claim's GPUs (this one may use {_gib(held)})")
     if capability and machine["gpus"] and tuple(machine["capability"] or (0, 0)) < tuple(capability):
         lacks.append(f"compute capability {capability[0]}.{capability[1]} or later "
-                     f"(it has {'.'.join(map(str, machine['capability']))})")
-    if machine["nodes"] < nodes:
-        lacks.append(f"{nodes} nodes (this job runs on {machine['nodes']})")
+                     f"(this machine's is {'.'.join(map(str, machine['capability']))})")
+    if nodes > 1 and (run.get("nodes") or 0) < nodes:
+        spans = f"this launch spans {run['nodes']}" if run.get("nodes") else "no launch across nodes was described"
+        lacks.append(f"ranks on {nodes} nodes ({spans}; the job holds {machine.get('allocated_nodes', 1)})")
     if infiniband and not machine["infiniband"]:
         lacks.append("an InfiniBand or RoCE device (/sys/class/infiniband is empty or absent)")
     if machine["numa_nodes"] < numa_nodes:
-        lacks.append(f"{numa_nodes} NUMA nodes (it has {machine['numa_nodes']})")
+        lacks.append(f"{numa_nodes} NUMA nodes (this machine has {machine['numa_nodes']})")
+    if model:
+        name, size = model
+        have = run.get("params")
+        if not have or not size / SIZE_CLASS <= have <= size * SIZE_CLASS:
+            lacks.append(f"a model the size of {name} ({size / 1e6:.1f} M parameters, within {SIZE_CLASS:g}x; "
+                         + (f"this one has {have / 1e6:.2g} M)" if have else "this run's is not known)"))
+    if ranks is not None and run.get("ranks") != ranks:
+        lacks.append(f"a run on {ranks} ranks (this one used {run.get('ranks')})")
+    if out_of_memory and not (run.get("peak") and run.get("memory") and run["peak"] > run["memory"]):
+        lacks.append("a step that does not fit in memory (" + (
+            f"this one peaks at {run['peak'] / 2 ** 20:.3g} MiB a rank of the {_gib(run['memory'])} a rank has)"
+            if run.get("peak") and run.get("memory") else "this run's peak or memory is not known)"))
     return lacks
 
 
