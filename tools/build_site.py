@@ -18,7 +18,8 @@ would come from a CDN; what they showed is kept: the per-rank tabs' text is also
 cell left with nothing (an explorer) says to run the notebook in JupyterLab.
 
 The site goes to outputs/site/ (ignored by git); the pages' sources are made in a temporary folder, so nothing is
-written into notebooks/ or next to the executed copies.
+written into notebooks/ or next to the executed copies. A link of a built page that names no file of the site (a
+notebook's link to a file of the repository, say) is listed on stderr, and the exit status is 1.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 from helpers.paths import NOTEBOOKS, OUTPUTS, REPO_ROOT
@@ -296,6 +298,21 @@ def build_site(executed: Path = OUTPUTS, site: Path = SITE, readme: Path = READM
     return runs
 
 
+def broken_links(site: Path) -> list[str]:
+    """'page -> target' for each link or source of a built page that names no file of the site. MkDocs checks the
+    index's links (--strict) but not those inside a notebook's page, e.g. one to a file of the repository."""
+    broken = []
+    for page in sorted(site.glob("*.html")):
+        for target in re.findall(r'<(?:a|link)\b[^>]*\bhref="([^"#]+)|<(?:img|script)\b[^>]*\bsrc="([^"]+)"',
+                                 page.read_text(encoding="utf-8")):
+            path = urllib.parse.unquote(urllib.parse.urlsplit("".join(target)).path)
+            if re.match(r"[a-z][\w+.-]*:", "".join(target)) or not path:
+                continue  # another host, data:, mailto:
+            if not (site / path.lstrip("/") if path.startswith("/") else page.parent / path).is_file():
+                broken.append(f"{page.name} -> {''.join(target)}")
+    return broken
+
+
 class SiteServer(http.server.ThreadingHTTPServer):
     """The built site on 127.0.0.1. A browser that leaves a page while it loads resets its connection: not an error."""
 
@@ -331,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [p.stem for p in notebook_paths() if p.stem not in runs]
     print(f"site: {len(runs)} executed notebooks as pages; not yet executed: {', '.join(missing) or 'none'}")
     print(f"built into {args.out.resolve()}: open index.html in a browser (search needs --serve)")
+    broken = broken_links(args.out)
+    if broken:
+        print("./cookbook site: links to no file of the site:\n  " + "\n  ".join(broken), file=sys.stderr)
+        return 1
     if args.serve is not None:
         server = serve(args.out, args.serve)
         print(f"serving http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C stops)", flush=True)

@@ -146,7 +146,8 @@ def test_a_built_page_keeps_its_outputs_loads_nothing_from_elsewhere_and_its_anc
                     _machine_cell(GPU_FACTS, capsys),
                     {"cell_type": "markdown", "source": "## Measure it: what `TORCH_DISTRIBUTED_DEBUG=DETAIL` costs\n\n"
                                                         "```bash\n# keep `this` as typed\n```\n"
-                                                        "See [00](00_launching_workers.ipynb#a-first-all_reduce)."},
+                                                        "See [00](00_launching_workers.ipynb#a-first-all_reduce), "
+                                                        "[the recipe](../scripts/train/README.md)."},
                     {"cell_type": "code", "source": "plot()", "execution_count": 3, "outputs": [figure]},
                     {"cell_type": "code", "source": "explore()", "execution_count": 4, "outputs": [view]}],
                    papermill={"end_time": "2026-11-20T09:30:00+00:00", "duration": 61.0,
@@ -172,6 +173,7 @@ def test_a_built_page_keeps_its_outputs_loads_nothing_from_elsewhere_and_its_anc
     assert all(s in page for s in ("2026-11-20 09:30 UTC", "torch 2.11.0+cu128", "8 x NVIDIA H200", "smoke mode"))
     loads = re.findall(r'<(?:script|img|iframe)\b[^>]*\bsrc="([^"]*)"|<link\b[^>]*\bhref="([^"]*)"', page + index)
     assert [u for pair in loads for u in pair if re.match(r"(https?:)?//", u)] == [], "a page loads from elsewhere"
+    assert build_site.broken_links(tmp_path / "site") == [f"{name}.html -> ../scripts/train/README.md"]
 
 
 @pytest.mark.parametrize("out", ["notebooks/site", "outputs", "."])
