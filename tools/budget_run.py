@@ -18,6 +18,8 @@ usage: python -m tools.budget_run {smoke|full} [NAME ...] [--budget S] [--out DI
        python -m tools.budget_run {tests|bench} [--budget S] [--out DIR] [-- PYTEST OR BENCHMARK ARGS]
 On the GPU machine, through the on-device.sh that .ci/gpu-stage stages (see docs/measurements.md):
   bash .gpu/on-device.sh python3 -m tools.budget_run smoke --budget 540
+What comes back is committed in docs/gpu-runs/DATE/ (the archive, or its summary.json, figures.md and logs), beside
+docs/measurements.md, which quotes its figures.
 """
 from __future__ import annotations
 
