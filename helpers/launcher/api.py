@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from helpers import devices
 from helpers.launcher import run_folder
 from helpers.launcher.output import RankPanels, RankStream
+from helpers.launcher.protocol import NoticeReader
 from helpers.launcher.rendezvous import loopback_environment
 from helpers.launcher.server import ServerWorker, server_for
 from helpers.launcher.sessions import LAUNCHED_BY_VAR, stop_sessions
@@ -40,7 +41,7 @@ from helpers.launcher.supervise import RankProcess, RankSlot, Supervision
 
 DEFAULT_TIMEOUT = 300.0
 # Seconds a rank that has written its result (or error) gets to exit. Past that it is stuck freeing what its
-# function made (see `worker`): it is stopped, its result kept, and an ExitHangWarning shows where it was.
+# function made (see `rank`): it is stopped, its result kept, and an ExitHangWarning shows where it was.
 EXIT_GRACE_S = 10.0
 # Seconds the peers of a failed rank get to fail on their own (their own error, or their stack) before they are
 # stopped.
@@ -190,7 +191,8 @@ class LaunchPlan:
         """Write `fn(*args, **kwargs)` and the kernel's state into `run_dir`, start the ranks, return their
         supervision; if the start fails, whatever started is stopped and the error raised.
 
-        command_fds: rank -> the read end of its command pipe (persistent ranks); handed over, then closed here."""
+        command_fds: rank -> the read end of its command pipe (persistent ranks, which take no `fn`: they serve the
+        calls the pipe brings); handed over, then closed here."""
         worker_env = {**self.worker_env, run_folder.RUN_DIR_VAR: run_dir}
         run_folder.write_launch(run_dir, fn, args, kwargs, worker_env, self.threads,
                                 loopback_store=self.rendezvous == "file")
@@ -246,7 +248,6 @@ def _start(supervision: Supervision, method: str, world_size: int, user_env: dic
     panels = None if out_stream is not sys.stdout else RankPanels.for_this_kernel(world_size)  # none when quiet
     for rank, worker in sorted(workers.items()):
         (out_r, _), (err_r, _), (progress_r, _) = pipes[rank]
-        os.set_blocking(progress_r, False)
         supervision.slots.append(RankSlot(rank, worker, RankStream(out_r, rank, out_stream, panels=panels),
                                           RankStream(err_r, rank, err_stream, keep_tail=True, panels=panels),
-                                          progress_r))
+                                          NoticeReader(progress_r)))

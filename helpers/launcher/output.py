@@ -14,22 +14,9 @@ from __future__ import annotations
 import collections
 import os
 
+from helpers.launcher.protocol import read_available
+
 TAIL_BYTES = 64 << 10
-
-
-def read_available(fd: int) -> tuple[bytes, bool]:
-    """What a non-blocking pipe holds now, and whether it is still open (False once every writer closed it)."""
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return b"".join(chunks), True
-        except OSError:
-            chunk = b""
-        if not chunk:
-            return b"".join(chunks), False
-        chunks.append(chunk)
 
 
 class RankPanels:

@@ -1,62 +1,17 @@
-"""A per-rank progress display for long work, that costs the worker one optional call.
+"""The per-rank progress display: the latest `protocol.Progress` each rank reported, drawn in the cell.
 
-Why a pipe of its own and not stdout: a rank writes its latest state (step, total, a few metrics) as one JSON line
-to a pipe the launcher gave it (COOKBOOK_PROGRESS_FD), so progress never mixes with the rank's own prints, and the
-launcher's supervisor wakes when progress arrives instead of polling files. A line is shorter than PIPE_BUF, so
-lines of one rank never interleave. Outside `helpers.launch` (under torchrun, say) `report_progress` prints a line
-every tenth of the work. The same pipe carries the worker's "reported" notice (its result or error is written).
+Why a pipe of its own and not stdout: a rank writes its state (step, total, a few metrics) with one optional call,
+`rank.report_progress`, to a pipe the launcher gave it, so progress never mixes with the rank's own prints, and the
+supervisor wakes when progress arrives instead of polling files (`supervise` reads the pipe, `protocol` says what
+travels on it). This module only draws: bars in a notebook, a throttled line elsewhere.
 """
 from __future__ import annotations
 
 import html
-import json
-import os
 import sys
 import time
 
-PROGRESS_FD_VAR = "COOKBOOK_PROGRESS_FD"
-
-
-def _send_line(state: dict) -> bool:
-    fd = os.environ.get(PROGRESS_FD_VAR)
-    if not fd:
-        return False
-    try:
-        os.write(int(fd), (json.dumps(state) + "\n").encode())
-    except OSError:  # the launcher is gone (or this process was not started by it): fall back to printing
-        return False
-    return True
-
-
-def report_progress(step: int, total: int, **metrics: float) -> None:
-    """Tell the launcher (or the terminal) how far this rank is. Cheap enough to call every step."""
-    state = {"step": int(step), "total": int(total), "time": time.time(),
-             "metrics": {k: float(v) for k, v in metrics.items()}}
-    if _send_line(state):
-        return
-    tenth = max(1, total // 10)
-    if step % tenth == 0 or step == total:
-        shown = " ".join(f"{k}={v:.4g}" for k, v in state["metrics"].items())
-        print(f"[rank {os.environ.get('RANK', '0')}] {step}/{total} {shown}", flush=True)
-
-
-def report_outcome(outcome: str) -> None:
-    """The worker's notice that its result or error is written (the launcher then expects it to exit)."""
-    _send_line({"event": "reported", "outcome": outcome})
-
-
-def report_call_done(call: int, outcome: str) -> None:
-    """A persistent rank's notice that its outcome of call number `call` is written (it then waits for the next)."""
-    _send_line({"event": "call_done", "call": call, "outcome": outcome})
-
-
-def parse_line(line: bytes) -> dict | None:
-    """One line of a rank's progress pipe, or None if it is not one of ours."""
-    try:
-        state = json.loads(line)
-    except ValueError:
-        return None
-    return state if isinstance(state, dict) else None
+from helpers.launcher.protocol import Progress
 
 
 def in_notebook() -> bool:
@@ -74,13 +29,13 @@ class ProgressDisplay:
     def __init__(self, world_size: int, min_interval: float = 0.5):
         self.world_size = world_size
         self.min_interval = min_interval
-        self.states: dict[int, dict] = {}
+        self.states: dict[int, Progress] = {}
         self.redraw_at: float | None = None  # a state arrived too soon after the last drawing: draw it then
         self._handle = None
         self._last = 0.0
-        self._last_states: dict[int, dict] = {}
+        self._last_states: dict[int, Progress] = {}
 
-    def update(self, rank: int, state: dict) -> None:
+    def update(self, rank: int, state: Progress) -> None:
         """Rank `rank` is at `state`: drawn now, or at `redraw_at` if the last drawing is too recent."""
         self.states[rank] = state
         if not self.draw():
@@ -113,14 +68,14 @@ class ProgressDisplay:
         return True
 
     @staticmethod
-    def _text(rank: int, s: dict) -> str:
-        shown = " ".join(f"{k}={v:.4g}" for k, v in s["metrics"].items())
-        return f"rank {rank} {s['step']}/{s['total']} {shown}".rstrip()
+    def _text(rank: int, s: Progress) -> str:
+        shown = " ".join(f"{k}={v:.4g}" for k, v in s.metrics.items())
+        return f"rank {rank} {s.step}/{s.total} {shown}".rstrip()
 
-    def _html(self, states: dict[int, dict]) -> str:
+    def _html(self, states: dict[int, Progress]) -> str:
         rows = []
         for rank, s in sorted(states.items()):
-            shown = html.escape(" ".join(f"{k}={v:.4g}" for k, v in s["metrics"].items()))
-            rows.append(f"<tr><td>rank {rank}</td><td><progress value='{s['step']}' max='{max(1, s['total'])}'>"
-                        f"</progress></td><td>{s['step']}/{s['total']}</td><td>{shown}</td></tr>")
+            shown = html.escape(" ".join(f"{k}={v:.4g}" for k, v in s.metrics.items()))
+            rows.append(f"<tr><td>rank {rank}</td><td><progress value='{s.step}' max='{max(1, s.total)}'>"
+                        f"</progress></td><td>{s.step}/{s.total}</td><td>{shown}</td></tr>")
         return "<table>" + "".join(rows) + "</table>"

@@ -7,7 +7,7 @@ written before its rank hangs on the way out is never lost. Why one module: the 
 each name and format, and reading them in one place is how a newcomer finds what travels.
 
     <run folder>/        a private temporary folder: one per `launch`, one per `Workers` (its ranks' life)
-      payload.pkl        kernel -> ranks: (fn, args, kwargs), by value, with the source lines of its code
+      payload.pkl        kernel -> ranks: (fn, args, kwargs), by value, with the source lines of its code (`launch`)
       spec.pkl           kernel -> ranks: the kernel's state at launch time (environment, cwd, sys.path, threads)
       result.<rank>      rank -> kernel: what the function returned (cloudpickle; device tensors on the CPU)
       error.<rank>       rank -> kernel: what it raised (type, message, traceback, time, the exception if it pickles)
@@ -41,6 +41,7 @@ import linecache
 import marshal
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -50,6 +51,9 @@ from helpers.launcher.errors import RankFailure
 
 RUN_DIR_VAR = "COOKBOOK_RUN_DIR"  # the run folder, in every worker's environment
 OUTCOMES = ("result", "error")
+# What makes a rank's faulthandler write its threads' stacks to its stack file (`stack.<rank>`): the kernel sends it
+# to the ranks still running when it gives up; each rank registered it at its start. None where there is no SIGUSR1.
+STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 
 def rank_file(directory: str, kind: str, rank: int) -> str:
@@ -120,8 +124,10 @@ def _read_payload(file: str):
 # --------------------------------------------------------------------------------- a launch: kernel -> ranks
 def write_launch(run_dir: str, fn, args: tuple, kwargs: dict, worker_env: dict, threads: int,
                  loopback_store: bool) -> None:
-    """What every worker reads after it starts: the function with its arguments, and the kernel's state now."""
-    write_atomically(os.path.join(run_dir, "payload.pkl"), pack_payload((fn, args, kwargs)))
+    """What every worker reads after it starts: the function with its arguments (none for persistent ranks, which
+    take their calls from `write_call`), and the kernel's state now."""
+    if fn is not None:
+        write_atomically(os.path.join(run_dir, "payload.pkl"), pack_payload((fn, args, kwargs)))
     spec = {"env": worker_env, "cwd": os.getcwd(), "sys_path": list(sys.path), "threads": threads,
             "loopback_store": loopback_store}
     write_atomically(os.path.join(run_dir, "spec.pkl"), pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))

@@ -4,7 +4,7 @@ Why: forking the Jupyter kernel itself is unsafe once the kernel has started thr
 CUDA's, Jupyter's own): on a GPU machine a forked worker's CUDA then fails with "initialization error" although
 `torch.cuda.is_initialized()` says False, and no flag tells beforehand. Spawning a fresh interpreter per worker is
 safe but pays `import torch` every launch (3.55 s per launch on an H100 machine, against 0.06 s for a fork). So the
-kernel starts, once, a server process that imports torch and the worker module, runs no torch op, never touches
+kernel starts, once, a server process that imports torch and the rank's module, runs no torch op, never touches
 CUDA and holds exactly one thread; every launch asks it to fork `world_size` workers, which therefore start as
 copies of a process that is safe to fork, in milliseconds.
 
@@ -15,8 +15,11 @@ message, so the kernel's supervisor wakes on an exit instead of polling; (3) the
 death without threads and take every worker with it; (4) OpenBLAS pinned to one thread before numpy is imported,
 so the server really holds one thread (`/proc/<pid>/task`); (5) a stale server (torch reinstalled, interpreter
 changed, a variable torch reads at import changed) replaced, not reused. multiprocessing's forkserver gives none
-of these through public API. The protocol is pickled dicts over an AF_UNIX SOCK_SEQPACKET pair (message
-boundaries kept, file descriptors attached to a message).
+of these through public API. The messages (`protocol`: Fork one way; Ready, Forked, Exited the other) travel over
+an AF_UNIX SOCK_SEQPACKET pair (message boundaries kept, file descriptors attached to a message).
+
+This module is the kernel's handle on the server; the server's own loop, which forks and so imports the rank's
+side, is `server_loop`, started by a `python -c` boot that no import follows.
 
 The server never unpickles a payload: a worker reads its function and arguments from the run folder after
 the fork, so nothing a notebook defines is ever imported into the server.
@@ -30,7 +33,6 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
-import pickle
 import select
 import signal
 import socket
@@ -42,12 +44,8 @@ import time
 from pathlib import Path
 
 from helpers.launcher import sessions
-from helpers.launcher.worker import run_worker
+from helpers.launcher.protocol import MESSAGE_BYTES, SERVER_REPLIES, Exited, Fork, Forked, Ready, decode, encode
 
-# Imported once in the server, so a forked worker finds them already loaded. Importing runs no torch op and
-# starts no thread (checked by a test that reads /proc/<server pid>/task).
-PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp",
-           "torch.distributed.tensor", "torch.distributed.checkpoint", "cloudpickle", "helpers.launcher.worker")
 # numpy's OpenBLAS starts its thread pool when numpy is imported, unless told to stay at one thread.
 SERVER_ONLY_ENV = {"OPENBLAS_NUM_THREADS": "1"}
 # Variables torch (or its OpenMP/MKL runtime) reads when it is imported: a server that imported torch under other
@@ -56,11 +54,11 @@ SERVER_ONLY_ENV = {"OPENBLAS_NUM_THREADS": "1"}
 # but re-applied in each worker (`dist.set_debug_level_from_env`), and OMP_NUM_THREADS is applied per worker.
 IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "OMP_", "KMP_", "GOMP_", "MKL_", "LD_PRELOAD", "LD_LIBRARY_PATH")
 READ_LATER = ("TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_", "TORCH_FR_", "TORCHELASTIC_", "OMP_NUM_THREADS")
-# The launcher's modules a forked worker runs from the server's memory: one changed on disk, server replaced.
-WORKER_MODULES = ("server.py", "worker.py", "run_folder.py", "errors.py", "rendezvous.py", "sessions.py",
-                  "progress.py")
+# The launcher's modules the server and a forked worker run from the server's memory: one changed on disk, server
+# replaced.
+WORKER_MODULES = ("server_loop.py", "rank.py", "protocol.py", "run_folder.py", "errors.py", "rendezvous.py",
+                  "sessions.py")
 READY_TIMEOUT_S = 300.0  # importing torch on a loaded 2-core machine can take a while
-MESSAGE_BYTES = 1 << 20
 
 
 def import_time_environment(env: dict) -> dict:
@@ -85,7 +83,6 @@ def installation_fingerprint() -> dict:
             "launcher": [stamp(here / name) for name in WORKER_MODULES]}
 
 
-# ---------------------------------------------------------------------------------------------- kernel side
 class ForkServer:
     """The kernel's handle on one server process: start it, ask it for workers, hear when they exit."""
 
@@ -100,7 +97,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         helpers_root = str(Path(__file__).resolve().parents[2])
         boot = (f"import sys; sys.path.insert(0, {helpers_root!r}); "
-                f"from helpers.launcher.server import serve; serve({theirs.fileno()})")
+                f"from helpers.launcher.server_loop import serve; serve({theirs.fileno()})")
         self.process = subprocess.Popen([sys.executable, "-c", boot], pass_fds=(theirs.fileno(),),
                                         env={**env, **SERVER_ONLY_ENV}, stdin=subprocess.DEVNULL,
                                         stdout=self._log, stderr=self._log, start_new_session=True)
@@ -112,11 +109,11 @@ class ForkServer:
         if self._ready:
             return
         reply = self._receive(timeout)
-        if reply is None or reply.get("op") != "ready":
+        if not isinstance(reply, Ready):
             self.stop()
             raise RuntimeError(f"the launcher's fork-server did not start (exit code {self.process.poll()}); "
                                f"its output:\n{self.log_text()}")
-        self.threads_at_ready = reply["threads"]
+        self.threads_at_ready = reply.threads
         self._ready = True
 
     def alive(self) -> bool:
@@ -160,14 +157,14 @@ class ForkServer:
         pids: dict[int, int] = {}
         with self._lock:
             for rank, fds in fds_by_rank.items():
-                socket.send_fds(self.sock, [pickle.dumps({"op": "fork", "run_dir": run_dir, "rank": rank})], fds)
+                socket.send_fds(self.sock, [encode(Fork(run_dir, rank))], fds)
             while len(pids) < len(fds_by_rank):
                 reply = self._receive_locked(READY_TIMEOUT_S)
                 if reply is None:
                     raise RuntimeError(f"the launcher's fork-server died while starting ranks "
                                        f"{sorted(set(fds_by_rank) - set(pids))}:\n{self.log_text()}")
-                if reply["op"] == "forked" and reply["run_dir"] == run_dir:
-                    pids[reply["rank"]] = reply["pid"]
+                if isinstance(reply, Forked) and reply.run_dir == run_dir:
+                    pids[reply.rank] = reply.pid
         return pids
 
     def fileno(self) -> int:
@@ -212,9 +209,9 @@ class ForkServer:
             return None
         if not data:
             return None
-        message = pickle.loads(data)
-        if message["op"] == "exited":
-            self.exits[message["pid"]] = message["exitcode"]
+        message = decode(data, SERVER_REPLIES)
+        if isinstance(message, Exited):
+            self.exits[message.pid] = message.exitcode
         return message
 
 
@@ -293,111 +290,3 @@ def stop_server() -> None:
 
 
 atexit.register(stop_server)
-
-
-# ---------------------------------------------------------------------------------------------- server side
-def _send(sock: socket.socket, message: dict) -> None:
-    try:
-        sock.send(pickle.dumps(message))
-    except OSError:  # the kernel is gone: the main loop sees it next
-        pass
-
-
-def serve(fd: int) -> None:
-    """The server's main loop: fork on request, report exits, and end everything when the kernel goes."""
-    sock = socket.socket(fileno=fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupts are for the kernel
-    sessions.become_subreaper()  # what a killed worker started comes here, not to init, and is ended (_reap)
-    for name in PRELOAD:
-        try:
-            __import__(name)
-        except ImportError:
-            pass
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD reaches the wakeup fd
-    children: dict[int, tuple[str, int]] = {}
-    _send(sock, {"op": "ready", "pid": os.getpid(), "threads": len(os.listdir("/proc/self/task"))
-                 if os.path.isdir("/proc/self/task") else None})
-    while True:
-        try:
-            readable, _, _ = select.select([sock, wake_r], [], [])
-        except InterruptedError:
-            continue
-        if wake_r in readable:
-            try:
-                while os.read(wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
-            _reap(sock, children)
-        if sock in readable:
-            try:
-                data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 4)
-            except OSError:
-                data, fds = b"", []
-            if not data:
-                _end(children)
-            request = pickle.loads(data)
-            if request["op"] == "fork":
-                pid = _fork_worker(request, fds, sock, (wake_r, wake_w))
-                children[pid] = (request["run_dir"], request["rank"])
-                _send(sock, {"op": "forked", "run_dir": request["run_dir"], "rank": request["rank"], "pid": pid})
-
-
-def _reap(sock: socket.socket, children: dict) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            break
-        if children.pop(pid, None) is not None:  # not an adopted orphan: a worker, whose exit the kernel awaits
-            _send(sock, {"op": "exited", "pid": pid, "exitcode": os.waitstatus_to_exitcode(status)})
-    sessions.kill_orphans(set(children))  # a worker that died left them; their own exits come back here
-
-
-def _end(children: dict) -> None:
-    """The kernel closed its end (or died): no worker may outlive it."""
-    for pid in children:
-        sessions.signal_session(pid, signal.SIGKILL)
-    sessions.kill_orphans(set(children))
-    deadline = time.monotonic() + 5
-    while children and time.monotonic() < deadline:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid:
-            children.pop(pid, None)
-        else:
-            time.sleep(0.01)
-    os._exit(0)
-
-
-def _fork_worker(request: dict, fds: list[int], sock: socket.socket, wake: tuple[int, int]) -> int:
-    server_pid = os.getpid()
-    pid = os.fork()
-    if pid:
-        for fd in fds:
-            os.close(fd)
-        return pid
-    try:  # the child: shed the server's machinery, then become the worker
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        sock.close()
-        for fd in wake:
-            os.close(fd)
-        out, err, progress, *command = fds
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        os.close(out)
-        os.close(err)
-        run_worker(request["run_dir"], request["rank"], parent_pid=server_pid, progress_fd=progress,
-                   command_fd=command[0] if command else None)
-    finally:
-        os._exit(1)

@@ -3,7 +3,7 @@
 Why keep it: it needs no server, and it is what macOS and Windows get by default (no fork-server there: fork is
 unsafe on macOS once system frameworks have started threads). Its cost is `import torch` in every worker on every
 launch (seconds; `./cookbook bench` prints both on this machine). The worker reads its function, arguments and
-the kernel's state from the run folder exactly as a forked one does (`worker.run_worker`).
+the kernel's state from the run folder exactly as a forked one does (`rank.run_worker`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class SpawnedWorker:
     def __init__(self, run_dir: str, rank: int, fds: list[int], env: dict, cwd: str):
         out, err, progress, *command = fds
         helpers_root = str(Path(__file__).resolve().parents[2])
-        code = (f"import sys; sys.path.insert(0, {helpers_root!r}); from helpers.launcher.worker import spawn_main; "
+        code = (f"import sys; sys.path.insert(0, {helpers_root!r}); from helpers.launcher.rank import spawn_main; "
                 f"spawn_main({run_dir!r}, {rank}, {progress}, {command[0] if command else None})")
         self._popen = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=cwd, start_new_session=True,
                                        stdin=subprocess.DEVNULL, stdout=out, stderr=err,

@@ -28,10 +28,11 @@ from typing import Protocol
 from helpers.launcher import run_folder
 from helpers.launcher.errors import (ExitHangWarning, LaunchTimeout, RankFailure, WorkerError, annotate_stack,
                                      exit_message, root_cause)
-from helpers.launcher.output import RankStream, read_available
-from helpers.launcher.progress import ProgressDisplay, parse_line
+from helpers.launcher.output import RankStream
+from helpers.launcher.progress import ProgressDisplay
+from helpers.launcher.protocol import CallDone, NoticeReader, Progress, Reported
+from helpers.launcher.run_folder import STACK_SIGNAL
 from helpers.launcher.sessions import stop_sessions
-from helpers.launcher.worker import STACK_SIGNAL
 
 STDERR_TAIL_LINES = 40  # of a rank that died without a Python exception, in its WorkerError
 STACK_WAIT_S = 2.0  # for faulthandler to write the stacks of stuck ranks
@@ -66,17 +67,9 @@ class RankSlot:
     process: RankProcess
     out: RankStream
     err: RankStream
-    progress_fd: int
-    progress_partial: bytes = b""
+    notices: NoticeReader  # its progress pipe
     reported_at: float | None = None  # when it said its result or error is written
     done: bool = False
-
-    def progress_states(self) -> tuple[list[dict], bool]:
-        """The lines waiting on the rank's progress pipe, parsed (lines not ours left out); and whether the pipe is
-        still open."""
-        data, open_ = read_available(self.progress_fd)
-        *lines, self.progress_partial = (self.progress_partial + data).split(b"\n")
-        return [state for state in map(parse_line, lines) if state is not None], open_
 
 
 @dataclass(frozen=True)
@@ -103,7 +96,7 @@ class Outcome:
 class _Watch:
     """One watch's state, gone when it returns its Outcome."""
     outcome_dir: str  # where the ranks write this watch's results and errors
-    call: int | None  # persistent ranks: the call whose "call_done" notices count
+    call: int | None  # persistent ranks: the call whose CallDone notices count
     deadline: float
     display: ProgressDisplay
     results: dict = field(default_factory=dict)
@@ -129,7 +122,7 @@ class Supervision:
                 for kind, stream in (("out", slot.out), ("err", slot.err)):
                     if not stream.closed:
                         selector.register(stream.fd, selectors.EVENT_READ, (kind, slot))
-                selector.register(slot.progress_fd, selectors.EVENT_READ, ("progress", slot))
+                selector.register(slot.notices.fd, selectors.EVENT_READ, ("notices", slot))
             announced: dict[int, list[RankProcess]] = {}  # a readable fd -> the processes whose exit it announces
             for slot in self.slots:
                 fd = slot.process.exit_fd()
@@ -143,7 +136,7 @@ class Supervision:
         finally:
             selector.close()
             for slot in self.slots:
-                self._read_progress(w, slot)
+                self._read_notices(w, slot)
             w.display.draw(force=True)
         return Outcome(w.results, sorted(w.failures.values(), key=lambda f: (f.time, f.rank)), stacks, timeout)
 
@@ -184,7 +177,7 @@ class Supervision:
         for slot in self.slots:
             slot.out.pump()
             slot.err.pump()
-            slot.progress_states()
+            slot.notices.read()
 
     def finish(self) -> None:
         """Stop whatever still runs, then show the last output (also after an interrupt); close every pipe."""
@@ -192,7 +185,7 @@ class Supervision:
         for slot in self.slots:
             slot.out.finish()
             slot.err.finish()
-            os.close(slot.progress_fd)
+            slot.notices.close()
             slot.process.close()
 
     # -- the loop
@@ -229,8 +222,8 @@ class Supervision:
                     data[0].poll()  # one poll reads the news of every process behind this fd
                     if all(p.exit_fd() is None for p in data):  # a pidfd spent, or a server that died
                         selector.unregister(key.fd)
-                elif kind == "progress":
-                    if not self._read_progress(w, data):
+                elif kind == "notices":
+                    if not self._read_notices(w, data):
                         selector.unregister(key.fd)
                 else:
                     stream = data.out if kind == "out" else data.err
@@ -238,16 +231,16 @@ class Supervision:
                     if stream.closed:
                         selector.unregister(key.fd)
 
-    def _read_progress(self, w: _Watch, slot: RankSlot) -> bool:
-        """Take in the progress lines waiting on the rank's pipe; False once the pipe is closed."""
-        states, open_ = slot.progress_states()
-        for state in states:
-            if state.get("event") == "reported":
+    def _read_notices(self, w: _Watch, slot: RankSlot) -> bool:
+        """Take in the notices waiting on the rank's progress pipe; False once the pipe is closed."""
+        notices, open_ = slot.notices.read()
+        for notice in notices:
+            if isinstance(notice, Reported):
                 slot.reported_at = slot.reported_at or time.monotonic()
-            elif state.get("event") == "call_done" and state.get("call") == w.call and not slot.done:
+            elif isinstance(notice, CallDone) and notice.call == w.call and not slot.done:
                 self._collect(w, slot)
-            elif "step" in state:
-                w.display.update(slot.rank, state)
+            elif isinstance(notice, Progress):
+                w.display.update(slot.rank, notice)
         return open_
 
     # -- outcomes

@@ -16,32 +16,29 @@ may also keep its group for later calls. After an error every rank that reported
 timeout (or a rank's death) the ranks are stopped and the object says it must be restarted (`.restart()`).
 Unlike nbdistributed's magic there is no cap on how long a cell may work, and errors are raised in the kernel.
 Output a rank prints between calls (a background thread) appears at the start of the next call.
+
+This module is the kernel's side; a persistent rank serves its calls with `rank.serve_calls`, and the two meet only
+in `protocol` (a `Call` on each rank's command pipe, a `CallDone` back on its progress pipe) and the call's folder.
 """
 from __future__ import annotations
 
-import ast
-import builtins
 import itertools
 import linecache
 import os
-import pickle
 import signal
-import struct
 import sys
 import tempfile
 
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from helpers.launcher import rendezvous, run_folder
+from helpers.launcher import run_folder
 from helpers.launcher.api import DEFAULT_TIMEOUT, LaunchPlan, default_world_size, require_callable
 from helpers.launcher.errors import WorkerError
-from helpers.launcher.progress import report_call_done
+from helpers.launcher.protocol import Call, send_call
 from helpers.launcher.supervise import Supervision
-from helpers.launcher.worker import COMMAND_FD_VAR, call_and_write
 
 INTERRUPT_GRACE_S = 5.0  # how long ranks get to answer a cell interrupt before they are stopped
 CLOSE_GRACE_S = 5.0  # how long ranks get to return once their command pipe is closed
-_HEADER = struct.Struct("!I")
 
 
 class WorkersStopped(RuntimeError):
@@ -72,7 +69,7 @@ class Workers:
         commands = {rank: os.pipe() for rank in range(self.world_size)}
         self._commands = {rank: w for rank, (_, w) in commands.items()}
         try:
-            supervision = plan.start(self._dir.name, serve_calls, (), {}, sys.stdout, sys.stderr,
+            supervision = plan.start(self._dir.name, None, (), {}, sys.stdout, sys.stderr,
                                      command_fds={rank: r for rank, (r, _) in commands.items()})
         except BaseException:
             self._close_commands()
@@ -151,9 +148,8 @@ class Workers:
             request = ("source", request[1], name)
         call_dir = run_folder.write_call(supervision.run_dir, call, request)
         supervision.begin_call(sys.stdout, sys.stderr)
-        message = pickle.dumps({"call": call, "dir": call_dir})
         for fd in self._commands.values():
-            os.write(fd, _HEADER.pack(len(message)) + message)
+            send_call(fd, Call(call, call_dir))
         try:
             return supervision.watch(timeout or self.timeout, call_dir, call).values()
         except KeyboardInterrupt:
@@ -181,78 +177,6 @@ class Workers:
         self.stopped_because = why
         self.close()
         self.stopped_because = why
-
-
-# ------------------------------------------------------------------------------------------------ the rank side
-def _read_exactly(fd: int, size: int) -> bytes | None:
-    data = b""
-    while len(data) < size:
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def _rank_globals(namespace: dict, fn, owned: set) -> dict:
-    """The kernel's current globals for the names fn uses, except those this rank's own code assigned."""
-    for name, value in getattr(fn, "__globals__", {}).items():
-        if name not in owned and not name.startswith("__"):
-            namespace[name] = value
-    return namespace
-
-
-def serve_calls() -> None:
-    """The function a persistent rank runs: take calls from the command pipe until the kernel closes it."""
-    import gc
-    import types
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a cell interrupt ends the call, not the rank
-    fd, rank = int(os.environ[COMMAND_FD_VAR]), int(os.environ["RANK"])
-    namespace: dict = {"__name__": "__rank__", "__builtins__": builtins}
-    owned: set = set()
-    while True:
-        header = _read_exactly(fd, _HEADER.size)
-        if header is None:
-            return  # the kernel closed the pipe: Workers.close()
-        message = pickle.loads(_read_exactly(fd, _HEADER.unpack(header)[0]))
-        call_dir = message["dir"]
-        rendezvous.install(call_dir)  # a fresh file store per call: init_process_group in every call works
-        before = dict(namespace)  # taken again once the kernel's globals are in: what changes after is the rank's
-        kept: list = []
-        try:
-            request = run_folder.read_call(call_dir)
-            if request[0] == "function":
-                _, fn, args, kwargs = request
-                if isinstance(fn, types.FunctionType):
-                    bound = types.FunctionType(fn.__code__, _rank_globals(namespace, fn, owned), fn.__name__,
-                                               fn.__defaults__, fn.__closure__)
-                    bound.__kwdefaults__ = fn.__kwdefaults__
-                    fn = bound
-                    before = dict(namespace)
-            else:
-                _, source, name = request
-                linecache.cache[name] = (len(source), None, source.splitlines(True), name)
-                fn, args, kwargs = _run_source, (source, name, namespace), {}
-        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the rank stays
-            reported = run_folder.write_error(call_dir, rank, exc)
-        else:
-            reported = call_and_write(fn, args, kwargs, call_dir, rank, kept)
-        finally:
-            kept.clear()
-            gc.enable()  # call_keeping_locals turns it off until the result is written
-        owned |= {k for k, v in namespace.items() if k not in before or before[k] is not v}
-        report_call_done(message["call"], reported)
-
-
-def _run_source(source: str, name: str, namespace: dict):
-    """exec the cell in the rank's namespace; the value of a final expression, as IPython shows it."""
-    tree = ast.parse(source, name)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    exec(compile(tree, name, "exec"), namespace)
-    if last is None:
-        return None
-    return eval(compile(ast.Expression(last.value), name, "eval"), namespace)
 
 
 # ------------------------------------------------------------------------------------------------ the magic

@@ -10,7 +10,6 @@ import torch
 
 from helpers import data
 from helpers.measure import memory
-from helpers.launcher import progress
 from helpers.measure.headline import MIMETYPE, headlines_of
 from helpers.cluster.torchrun import torchrun_lines
 
@@ -48,33 +47,6 @@ def test_headlines_are_read_back_from_an_executed_notebook():
                                                                                   "unit": "s"}}},
         {"output_type": "stream", "text": "noise"}]}, {"cell_type": "markdown"}]}
     assert headlines_of(nb) == [{"name": "x", "value": 1.0, "unit": "s"}]
-
-
-def test_progress_goes_to_the_launchers_pipe_as_one_line_each(monkeypatch):
-    read, write = os.pipe()
-    try:
-        monkeypatch.setenv(progress.PROGRESS_FD_VAR, str(write))
-        monkeypatch.setenv("RANK", "1")
-        progress.report_progress(3, 10, loss=0.5)
-        progress.report_outcome("result")
-        lines = os.read(read, 1 << 16).splitlines()
-    finally:
-        os.close(read)
-        os.close(write)
-    state, notice = (progress.parse_line(line) for line in lines)
-    assert state["step"] == 3 and state["total"] == 10 and state["metrics"] == {"loss": 0.5}
-    assert notice == {"event": "reported", "outcome": "result"}
-    assert progress.parse_line(b"not json") is None
-
-
-def test_progress_prints_every_tenth_outside_the_launcher(capsys, monkeypatch):
-    monkeypatch.delenv(progress.PROGRESS_FD_VAR, raising=False)
-    monkeypatch.setenv("RANK", "0")
-    for step in range(1, 21):
-        progress.report_progress(step, 20, loss=1.0 / step)
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 10 and lines[-1].startswith("[rank 0] 20/20 loss=0.05")
-
 
 
 def test_torchrun_lines_use_c10d_without_node_rank_and_show_slurm():

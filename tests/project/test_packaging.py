@@ -9,7 +9,6 @@ from the checkout's files, not from what was installed, so a module the wheel la
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -1,33 +1,53 @@
-"""The first code a worker process runs: make it look like a torchrun worker, run the cell's function, report.
+"""The rank's side of the launcher: what a worker process runs, from its first line to its exit.
 
 A worker starts as a fork of the launcher's server (or as a spawned interpreter), never of the kernel. It takes
 on the kernel's state *at launch time* (environment, current directory, sys.path, read from the run folder),
 a fresh process's random state, and `threads` intra-op threads. It gets its own session (one signal stops it and
 everything it started), line-buffered stdout and stderr on the launcher's pipes (each line reaches the cell at
-once), a faulthandler that dumps its Python stack on SIGUSR1 (how a timeout shows where each rank was stuck), and
-it reports its return value or its exception through a file in the run folder (`run_folder`), then says so on
-its progress pipe. Its function and arguments are unpickled (by value, with their file names and source lines)
-here, after the fork, never in the server. It is a child subreaper, and ends everything it started before it
-exits (`sessions`).
+once), a faulthandler that dumps its Python stack on STACK_SIGNAL (how a timeout shows where each rank was stuck),
+and it reports its return value or its exception through a file in the run folder (`run_folder`), then says so on
+its progress pipe (`protocol`). Its function and arguments are unpickled (by value, with their file names and
+source lines) here, after the fork, never in the server. It is a child subreaper, and ends everything it started
+before it exits (`sessions`).
 
-The function's local variables outlive its return until the result is written (`call_keeping_locals` says why);
-the launcher then stops a rank that does not exit (see `api.EXIT_GRACE_S`). `launch`'s ranks (`run_worker`) and
-`Workers`' ranks (`workers.serve_calls`, once per call) both call and report through `call_and_write`.
+Two kinds of rank run here: `launch`'s, which call one function (`run_worker`), and `Workers`' persistent ones,
+which serve the calls their command pipe brings until the kernel closes it (`serve_calls`). Both call and report
+through `call_and_write`. The function's local variables outlive its return until the result is written
+(`call_keeping_locals` says why); the launcher then stops a rank that does not exit (see `api.EXIT_GRACE_S`).
+Nothing here imports the kernel's side of the launcher: the two sides share only `protocol`, `run_folder`,
+`errors`, `sessions` and `rendezvous`.
 """
 from __future__ import annotations
 
+import ast
+import builtins
 import faulthandler
 import gc
 import io
+import linecache
 import os
 import signal
 import sys
+import time
+import types
 
 from helpers.launcher import rendezvous, run_folder, sessions
-from helpers.launcher.progress import PROGRESS_FD_VAR, report_outcome
+from helpers.launcher.protocol import PROGRESS_FD_VAR, CallDone, Progress, Reported, receive_call, send_notice
+from helpers.launcher.run_folder import STACK_SIGNAL
 
-STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
-COMMAND_FD_VAR = "COOKBOOK_COMMAND_FD"
+
+def report_progress(step: int, total: int, **metrics: float) -> None:
+    """Tell the launcher (or the terminal) how far this rank is. Cheap enough to call every step.
+
+    Launched by `helpers.launch`, the state goes to the rank's progress pipe, drawn per rank in the cell; under
+    torchrun (or anything else) a line is printed every tenth of the work."""
+    progress = Progress(int(step), int(total), time.time(), {k: float(v) for k, v in metrics.items()})
+    if send_notice(progress):
+        return
+    tenth = max(1, total // 10)
+    if step % tenth == 0 or step == total:
+        shown = " ".join(f"{k}={v:.4g}" for k, v in progress.metrics.items())
+        print(f"[rank {os.environ.get('RANK', '0')}] {step}/{total} {shown}", flush=True)
 
 
 def _line_buffered_std_streams() -> None:
@@ -142,8 +162,6 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
         os.environ.update(spec["env"])
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                            PROGRESS_FD_VAR: str(progress_fd)})
-        if command_fd is not None:  # a persistent rank (`Workers`): its calls arrive on this pipe
-            os.environ[COMMAND_FD_VAR] = str(command_fd)
         os.chdir(spec["cwd"])
         sys.path[:] = spec["sys_path"]
         _fresh_random_state()
@@ -158,17 +176,20 @@ def run_worker(run_dir: str, rank: int, parent_pid: int, progress_fd: int, comma
             if not rendezvous.install(run_dir):
                 print("helpers.launch: torch's rendezvous registry changed; env:// uses TCPStore "
                       "(listening on all interfaces)", file=sys.stderr)
-        fn, args, kwargs = run_folder.read_launch(run_dir)
-        _publish_in_main(fn)
+        if command_fd is None:
+            fn, args, kwargs = run_folder.read_launch(run_dir)
+            _publish_in_main(fn)
+        else:  # a persistent rank (`Workers`): its calls arrive on this pipe
+            fn, args, kwargs = serve_calls, (command_fd,), {}
     except BaseException as exc:  # noqa: BLE001 - a broken start must still be reported
-        report_outcome(run_folder.write_error(run_dir, rank, exc))
+        send_notice(Reported(run_folder.write_error(run_dir, rank, exc)))
         _exit(1)
 
     kept: list = []
     reported = "error"
     try:
         reported = call_and_write(fn, args, kwargs, run_dir, rank, kept)
-        report_outcome(reported)
+        send_notice(Reported(reported))
     finally:
         kept.clear()  # fn's objects are freed now, as at the end of a torchrun script: files flush, temp dirs go
         _exit(0 if reported == "result" else 1)
@@ -193,3 +214,61 @@ def spawn_main(run_dir: str, rank: int, progress_fd: int, command_fd: int | None
     import torch  # noqa: F401 - what the fork-server has preloaded, so both start methods set up alike
 
     run_worker(run_dir, rank, parent_pid=os.getppid(), progress_fd=progress_fd, command_fd=command_fd)
+
+
+# ------------------------------------------------------------------------------------- a persistent rank's calls
+def _rank_globals(namespace: dict, fn, owned: set) -> dict:
+    """The kernel's current globals for the names fn uses, except those this rank's own code assigned."""
+    for name, value in getattr(fn, "__globals__", {}).items():
+        if name not in owned and not name.startswith("__"):
+            namespace[name] = value
+    return namespace
+
+
+def serve_calls(command_fd: int) -> None:
+    """What a persistent rank runs: take calls from its command pipe until the kernel closes it (`workers` says
+    which name wins when the kernel and the rank both have one)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a cell interrupt ends the call, not the rank
+    rank = int(os.environ["RANK"])
+    namespace: dict = {"__name__": "__rank__", "__builtins__": builtins}
+    owned: set = set()
+    while True:
+        call = receive_call(command_fd)
+        if call is None:
+            return  # the kernel closed the pipe: Workers.close()
+        rendezvous.install(call.dir)  # a fresh file store per call: init_process_group in every call works
+        before = dict(namespace)  # taken again once the kernel's globals are in: what changes after is the rank's
+        kept: list = []
+        try:
+            request = run_folder.read_call(call.dir)
+            if request[0] == "function":
+                _, fn, args, kwargs = request
+                if isinstance(fn, types.FunctionType):
+                    bound = types.FunctionType(fn.__code__, _rank_globals(namespace, fn, owned), fn.__name__,
+                                               fn.__defaults__, fn.__closure__)
+                    bound.__kwdefaults__ = fn.__kwdefaults__
+                    fn = bound
+                    before = dict(namespace)
+            else:
+                _, source, name = request
+                linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+                fn, args, kwargs = _run_source, (source, name, namespace), {}
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: the rank stays
+            reported = run_folder.write_error(call.dir, rank, exc)
+        else:
+            reported = call_and_write(fn, args, kwargs, call.dir, rank, kept)
+        finally:
+            kept.clear()
+            gc.enable()  # call_keeping_locals turns it off until the result is written
+        owned |= {k for k, v in namespace.items() if k not in before or before[k] is not v}
+        send_notice(CallDone(call.call, reported))
+
+
+def _run_source(source: str, name: str, namespace: dict):
+    """exec the cell in the rank's namespace; the value of a final expression, as IPython shows it."""
+    tree = ast.parse(source, name)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, name, "exec"), namespace)
+    if last is None:
+        return None
+    return eval(compile(ast.Expression(last.value), name, "eval"), namespace)
