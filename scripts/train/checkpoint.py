@@ -343,8 +343,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     save_file(tensors, out / HF_WEIGHTS, metadata={"format": "pt"})
     hf = hf_config(cfg, str(dtype).removeprefix("torch."))
     trained_on = config.get("data") or {}
-    if trained_on.get("tokenizer") and Path(trained_on["tokenizer"]).exists():
-        shutil.copy(trained_on["tokenizer"], out / "tokenizer.json")
+    if trained_on.get("tokenizer") and Path(trained_on["tokenizer"]).exists():   # a folder, or an older file
+        from data import tokenizer_files
+
+        shutil.copy(tokenizer_files(trained_on["tokenizer"])["tokenizer.json"], out / "tokenizer.json")
     if trained_on.get("eot_id") is not None:
         hf["eos_token_id"] = trained_on["eot_id"]
     (out / "config.json").write_text(json.dumps(hf, indent=1))

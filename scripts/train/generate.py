@@ -34,7 +34,9 @@ class Codec:
         if tokenizer_file:
             from tokenizers import Tokenizer
 
-            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            from data import tokenizer_files      # a tokenizer folder (a token file's) or a tokenizer.json
+
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_files(tokenizer_file)["tokenizer.json"]))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode("utf-8"))
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, help="sample among this many most likely tokens")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", help="a tokenizer.json (default: the one the model was trained with)")
+    parser.add_argument("--tokenizer", help="a tokenizer.json or its folder (default: the one the model was "
+                        "trained with)")
     parser.add_argument("--no-cache", action="store_true", help="run the whole sequence for every new token")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)

@@ -86,4 +86,5 @@ def test_prepare_ends_every_document_with_the_end_of_text_token(tmp_path):
     assert len(ends) == 3 and ends[-1] == len(tokens) - 1
     pieces = [tokens[a + 1:b] for a, b in zip([-1] + ends, ends)]
     assert [tokenizer.decode(p) for p in pieces] == docs
-    assert (tmp_path / meta["tokenizer"]).is_file() and meta["vocab_size"] == tokenizer.get_vocab_size()
+    assert (tmp_path / meta["tokenizer"] / "tokenizer.json").is_file()
+    assert meta["vocab_size"] == tokenizer.get_vocab_size()

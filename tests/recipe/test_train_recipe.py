@@ -220,7 +220,7 @@ def test_prepare_trains_a_bpe_tokenizer_whose_tokens_decode_to_the_text(workspac
 
     root, _ = workspace
     meta = json.loads((root / "tokens.bin.json").read_text())
-    tokenizer = Tokenizer.from_file(str(root / meta["tokenizer"]))
+    tokenizer = Tokenizer.from_file(str(root / meta["tokenizer"] / "tokenizer.json"))
     tokens = np.memmap(root / "tokens.bin", dtype=np.uint16, mode="r")
     assert meta["vocab_size"] == tokenizer.get_vocab_size() == TOKENIZER_VOCAB and meta["dtype"] == "uint16"
     assert tokens[-1] == meta["eot_id"] == tokenizer.token_to_id("<|endoftext|>"), "the document ends with its token"
