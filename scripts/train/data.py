@@ -7,6 +7,7 @@
     python data.py --text a.txt b.txt --out tokens.bin --train-tokenizer 8192    # or: python train.py prepare ...
     python data.py --text a.txt --out tokens.bin --tokenizer Llama-3.2-1B       # a Hugging Face folder or file
     python data.py --text a.txt --out tokens.bin                                 # bytes: vocabulary 256
+    python data.py --text web/*.txt --out web.bin --tokenizer Llama-3.2-1B --workers 8 --shard-tokens 100000000
 
 A token file is raw uint8, uint16 or uint32 (the smallest that holds the vocabulary), read with np.memmap (a corpus
 larger than memory costs nothing to open), with `OUT.json` beside it: its dtype, vocabulary size, where the
@@ -14,20 +15,30 @@ held-out tail for evaluation begins, the end-of-text and beginning-of-sequence t
 (`OUT.tokenizer/`, the tokenizer's own files, so the tokens can be turned back into text by this recipe and by
 `transformers.AutoTokenizer`). Documents (each text file, or the pieces `--doc-separator` cuts it into) end with
 the end-of-text token, and open with the beginning-of-sequence token where the tokenizer has one of its own (Llama's;
-GPT-2's is its end-of-text token). The special tokens are the ones the tokenizer's files name
-(`read_tokenizer`). Several token files made with one tokenizer are shards of one corpus: train.py takes them all.
+GPT-2's is its end-of-text token). The special tokens are the ones the tokenizer's files name (`read_tokenizer`).
+`prepare` streams: it reads and tokenizes documents a batch at a time (on `--workers` processes) and writes as it
+goes, so its memory does not grow with the corpus; `--shard-tokens` cuts its output into shards (OUT-00000.bin, ...),
+each with its metadata and held-out tail.
+
+Several token files made with one tokenizer are shards of one corpus: `train.py --data web-*.bin`. Sources mixed by
+weight are `FILES:WEIGHT` each: `--data web.bin:0.7 'code-*.bin:0.3'` (`sources`).
 
 The order of the data is a function of (seed, epoch, global batch) only: a pseudo-random permutation of the
 windows per epoch, computed window by window (a Feistel network: no table of the whole permutation in memory), cut
 into consecutive global micro-batches, each split among the data-parallel ranks. The sampler's state is (epoch,
 windows consumed so far), counted globally, so a checkpoint resumes exactly, and at another data-parallel degree
-too, as long as the global batch is unchanged.
+too, as long as the global batch is unchanged. A mixture's stream (`MixtureSampler`) is a function of (seed,
+weights, sizes) alone, its state counted globally too. `fingerprint` describes the data for a checkpoint to
+record; `fingerprint_change` says in one line what a resume would find changed.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -126,7 +137,7 @@ def _named_token(tokenizer, configs: dict, role: str) -> tuple[int | None, str]:
         name = value.get("content") if isinstance(value, dict) else value
         if isinstance(name, str) and name:
             if tokenizer.token_to_id(name) is None:
-                raise ValueError(f"its {file} names {name!r} as its {role.upper()} token, which its vocabulary lacks")
+                raise ValueError(f"{file} names {name!r} as the {role.upper()} token, which the vocabulary lacks")
             return tokenizer.token_to_id(name), file
     ids = configs.get("generation_config.json", {}).get(f"{role}_token_id")
     ids = ids[0] if isinstance(ids, list) and ids else ids
@@ -156,7 +167,7 @@ def read_tokenizer(path: str | Path, eos_token: str | None = None) -> HFTokenize
     try:
         return from_tokenizer(tokenizer, eos_token, configs, files, template)
     except ValueError as e:
-        raise ValueError(f"the tokenizer {path}: {e}") from None
+        raise ValueError(f"{path}: {e}") from None
 
 
 def from_tokenizer(tokenizer, eos_token: str | None = None, configs: dict | None = None, files: dict | None = None,
@@ -172,15 +183,15 @@ def from_tokenizer(tokenizer, eos_token: str | None = None, configs: dict | None
     if eos_token is not None:
         eos_id, eos_from = tokenizer.token_to_id(eos_token), "--eos-token"
         if eos_id is None:
-            raise ValueError(f"--eos-token {eos_token}: not a token of its vocabulary")
+            raise ValueError(f"--eos-token {eos_token}: not a token of the vocabulary")
     else:
         eos_id, eos_from = _named_token(tokenizer, configs, "eos")
     if eos_id is None:
         known = [t for t in KNOWN_EOS if tokenizer.token_to_id(t) is not None]
         if not known:
-            raise ValueError("it names no end-of-text token (no eos_token in tokenizer_config.json or "
+            raise ValueError("no end-of-text token named (no eos_token in tokenizer_config.json or "
                              "special_tokens_map.json, no eos_token_id in generation_config.json, none of "
-                             f"{', '.join(KNOWN_EOS)} in its vocabulary): name the token that ends a document "
+                             f"{', '.join(KNOWN_EOS)} in the vocabulary): name the token that ends a document "
                              "with --eos-token TOKEN")
         eos_id, eos_from = tokenizer.token_to_id(known[0]), "a known spelling: its files name none"
     listed = configs.get("generation_config.json", {}).get("eos_token_id")
@@ -214,6 +225,137 @@ def save_tokenizer(tok: HFTokenizer, folder: Path) -> None:
     os.replace(partial, folder)
 
 
+def read_documents(paths: list, separator: str | None = None, chunk_chars: int = 1 << 20):
+    """The documents of UTF-8 text files, one at a time: each file one document, or the pieces `separator` cuts it
+    into (blank ones dropped), read `chunk_chars` at a time. Memory: a chunk and the document being read."""
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            if not separator:
+                yield f.read()
+                continue
+            rest = ""
+            while chunk := f.read(chunk_chars):
+                *done, rest = (rest + chunk).split(separator)
+                yield from (doc for doc in done if doc.strip())
+            if rest.strip():
+                yield rest
+
+
+def _batches(documents, batch_chars: int):
+    """Lists of consecutive documents of about `batch_chars` characters (one longer document alone)."""
+    batch, size = [], 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc)
+        if size >= batch_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode(tokenizer: HFTokenizer | None, batch: list[str], dtype) -> np.ndarray:
+    """A batch of documents as the token file holds them: each encoded, opened and ended (`HFTokenizer.document`);
+    without a tokenizer their UTF-8 bytes, joined by blank lines."""
+    if tokenizer is None:
+        return np.frombuffer("\n\n".join(batch).encode("utf-8"), dtype=np.uint8)
+    return np.concatenate([np.asarray(tokenizer.document(e.ids), dtype=dtype)
+                           for e in tokenizer.tokenizer.encode_batch(batch)])
+
+
+_worker_state: tuple = ()       # (tokenizer, dtype) in a worker process of `_encoded`
+
+
+def _start_worker(tokenizer: HFTokenizer, dtype) -> None:
+    global _worker_state
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"       # the processes are the parallelism: a thread pool each
+    _worker_state = (tokenizer, dtype)                   # would oversubscribe the cores
+
+
+def _encode_in_worker(batch: list[str]) -> np.ndarray:
+    return _encode(_worker_state[0], batch, _worker_state[1])
+
+
+def _encoded(batches, tokenizer: HFTokenizer | None, dtype, workers: int):
+    """The token arrays of `batches`, in their order: encoded here, or by `workers` processes, at most two batches
+    per worker in flight, so that memory stays bounded whatever the corpus; the same arrays either way (each
+    document is encoded alone). The processes are spawned (a fork of a process that has run torch's or tokenizers'
+    threads is not safe), so a script that calls this needs `if __name__ == "__main__":`, as multiprocessing says."""
+    if workers == 1 or tokenizer is None:
+        yield from (_encode(tokenizer, batch, dtype) for batch in batches)
+        return
+    import collections
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _start_worker, (tokenizer, dtype))
+    try:
+        pending = collections.deque()
+        for batch in batches:
+            pending.append(pool.submit(_encode_in_worker, batch))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:                    # done, an error, or the caller stopped reading: no worker outlives this
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _TokenFiles:
+    """Tokens appended as they come to `out`, or, with `shard_tokens`, to OUT-00000.bin, OUT-00001.bin, ... (OUT
+    the name without its suffix) of `shard_tokens` each (the last one fewer). A file is written under a temporary
+    name and renamed when complete, then its metadata: `common`, its count and its held-out tail (the last
+    `eval_fraction` of its tokens, so that every shard has one)."""
+
+    def __init__(self, out: Path, dtype, common: dict, eval_fraction: float, shard_tokens: int | None):
+        self.out, self.dtype, self.common = out, dtype, common
+        self.eval_fraction, self.shard_tokens = eval_fraction, shard_tokens
+        self.paths, self.file, self.count, self.total = [], None, 0, 0
+
+    def name(self, index: int) -> Path:
+        return self.out if self.shard_tokens is None else \
+            self.out.with_name(f"{self.out.stem}-{index:05d}{self.out.suffix}")
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self.file is None:
+                self.partial = self.out.with_name(f".{self.name(len(self.paths)).name}.{os.getpid()}.partial")
+                self.file, self.count = open(self.partial, "wb"), 0
+            room = len(tokens) if self.shard_tokens is None else self.shard_tokens - self.count
+            piece, tokens = tokens[:room], tokens[room:]
+            piece.tofile(self.file)
+            self.count, self.total = self.count + len(piece), self.total + len(piece)
+            if self.count == self.shard_tokens:
+                self._finish()
+
+    def _finish(self) -> None:
+        self.file.close()
+        path, self.file = self.name(len(self.paths)), None
+        os.replace(self.partial, path)
+        meta = {"dtype": np.dtype(self.dtype).name, "tokens": self.count,
+                "eval_start": int(self.count * (1 - self.eval_fraction)), **self.common}
+        _write_atomically(meta_path(path), lambda p: p.write_text(json.dumps(meta)))
+        self.paths.append(path)
+
+    def close(self, failed: bool = False) -> list[Path]:
+        """The files written (the one under way finished, unless `failed`: then removed); ValueError for no text.
+        With shards, an earlier prepare's shards past the last one written are removed."""
+        if self.file is not None and (failed or self.total < 2):
+            self.file.close()
+            os.remove(self.partial)
+            self.file = None
+        if not failed and self.total < 2:
+            raise ValueError("the text is empty")
+        if self.file is not None:
+            self._finish()
+        if self.shard_tokens and not failed:
+            for stale in self.out.parent.glob(f"{self.out.stem}-[0-9][0-9][0-9][0-9][0-9]{self.out.suffix}"):
+                if int(stale.stem[-5:]) >= len(self.paths):
+                    stale.unlink()
+                    meta_path(stale).unlink(missing_ok=True)
+        return self.paths
+
+
 def _write_atomically(path: Path, write) -> None:
     """write(temporary path), then rename: two ranks preparing at once, or a crash, never leave a half file."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
@@ -221,34 +363,44 @@ def _write_atomically(path: Path, write) -> None:
     os.replace(partial, path)
 
 
-def prepare(texts: list[str], out: str | Path, eval_fraction: float = 0.05, tokenizer=None) -> Path:
-    """Write the tokens of the documents `texts` to `out`, `out`.json (its metadata) and, with a tokenizer (a
-    folder or tokenizer.json, a `tokenizers.Tokenizer` or an HFTokenizer), its files in the folder
-    `out`.tokenizer; the last `eval_fraction` of the tokens is the held-out tail. Without a tokenizer the tokens are
-    the UTF-8 bytes of the documents joined by blank lines (vocabulary 256)."""
+def prepare(documents, out: str | Path, eval_fraction: float = 0.05, tokenizer=None, workers: int = 1,
+            batch_chars: int = 1 << 20) -> Path:
+    """Write the tokens of `documents` (an iterable of strings, read as it goes) to the token file `out`, with its
+    metadata (OUT.json) and held-out tail (its last `eval_fraction`); returns `out`. With a tokenizer (a folder or
+    tokenizer.json, a `tokenizers.Tokenizer` or an HFTokenizer) each document is opened and ended as
+    `HFTokenizer.document` says, and the tokenizer's files go to the folder OUT.tokenizer; without one the tokens
+    are the documents' UTF-8 bytes joined by blank lines (vocabulary 256). Batches of about `batch_chars`
+    characters are encoded here or by `workers` processes and written as they come: memory holds a few batches
+    and the longest document, whatever the corpus; any number of workers writes the same file."""
+    return prepare_shards(documents, out, None, eval_fraction, tokenizer, workers, batch_chars)[0]
+
+
+def prepare_shards(documents, out: str | Path, shard_tokens: int | None, eval_fraction: float = 0.05,
+                   tokenizer=None, workers: int = 1, batch_chars: int = 1 << 20) -> list[Path]:
+    """`prepare`, the tokens cut into shards of `shard_tokens` (OUT-00000.bin, ...: `_TokenFiles`), each with its
+    metadata and held-out tail, one tokenizer folder (OUT.tokenizer) for all; returns the shards."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if tokenizer is None:
-        tokens = np.frombuffer("\n\n".join(texts).encode("utf-8"), dtype=np.uint8)
-        vocab, eot, bos, folder = 256, None, None, None
-    else:
+    if shard_tokens is not None and shard_tokens < 2:
+        raise ValueError(f"--shard-tokens {shard_tokens}: a shard needs at least 2 tokens")
+    common, dtype = {"vocab_size": 256, "eot_id": None, "bos_id": None, "tokenizer": None}, np.uint8
+    if tokenizer is not None:
         if not isinstance(tokenizer, HFTokenizer):
             tokenizer = read_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else from_tokenizer(tokenizer)
-        eot, vocab = tokenizer.eos_id, tokenizer.tokenizer.get_vocab_size()
-        bos = tokenizer.bos_id
-        dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
-        tokens = np.concatenate([np.array(tokenizer.document(e.ids), dtype=dtype)
-                                 for e in tokenizer.tokenizer.encode_batch(texts)])
-        folder = out.with_name(out.name + ".tokenizer")
+        folder, vocab = out.with_name(out.name + ".tokenizer"), tokenizer.tokenizer.get_vocab_size()
         save_tokenizer(tokenizer, folder)
-    if len(tokens) < 2:
-        raise ValueError("the text is empty")
-    meta = {"dtype": tokens.dtype.name, "vocab_size": vocab, "tokens": int(len(tokens)),
-            "eval_start": int(len(tokens) * (1 - eval_fraction)), "eot_id": eot, "bos_id": bos,
-            "tokenizer": folder.name if folder else None}
-    _write_atomically(out, tokens.tofile)
-    _write_atomically(meta_path(out), lambda p: p.write_text(json.dumps(meta)))
-    return out
+        common = {"vocab_size": vocab, "eot_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id, "tokenizer": folder.name}
+        dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
+    files = _TokenFiles(out, dtype, common, eval_fraction, shard_tokens)
+    try:
+        for i, tokens in enumerate(_encoded(_batches(documents, batch_chars), tokenizer, dtype, workers)):
+            if tokenizer is None and i:
+                files.write(np.frombuffer(b"\n\n", dtype=np.uint8))     # between batches as within one
+            files.write(tokens)
+    except BaseException:
+        files.close(failed=True)
+        raise
+    return files.close()
 
 
 def meta_path(tokens_file: str | Path) -> Path:
@@ -259,22 +411,67 @@ def read_meta(path: str | Path) -> dict:
     return json.loads(meta_path(path).read_text())
 
 
-def vocab_size(paths: list) -> int:
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One corpus of the training data: its token files (shards) and its weight (its share of the windows drawn)."""
+    files: tuple[Path, ...]
+    weight: float
+
+
+def sources(data: list) -> list[Source]:
+    """train.py's --data, read. Token files alone are shards of one corpus (`a.bin b.bin`); sources mixed by weight
+    are `FILES:WEIGHT` each (`web.bin:0.7 'code-*.bin:0.3'`), FILES a token file, a comma-separated list of them or
+    a glob of shards (quoted, for the shell to leave it), the weights relative. ValueError, one line: a missing
+    file, a weight that is not a positive number, weights on some sources and not on others."""
+    parsed = []
+    for item in map(str, data):
+        files, colon, weight = item.rpartition(":")
+        try:
+            parsed.append((files, float(weight)) if colon else (item, None))
+        except ValueError:                     # a colon inside a path
+            parsed.append((item, None))
+    weights = [w for _, w in parsed if w is not None]
+    if weights and len(weights) < len(parsed):
+        raise ValueError("--data: give every source a weight (FILES:WEIGHT) or none (token files alone are shards "
+                         "of one corpus)")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"--data: a weight is a positive number, got {', '.join(map(str, weights))}")
+    groups = [[f for pattern in files.split(",") for f in _token_files(pattern)] for files, _ in parsed]
+    if not weights:
+        return [Source(tuple(f for group in groups for f in group), 1.0)]
+    return [Source(tuple(group), w / sum(weights)) for group, (_, w) in zip(groups, parsed)]
+
+
+def _token_files(pattern: str) -> list[Path]:
+    """The token file named, or the files a glob matches, sorted; ValueError where there is none."""
+    names = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+    missing = [n for n in names if not (Path(n).is_file() and meta_path(n).is_file())]
+    if not names or missing:
+        raise ValueError(f"--data {', '.join(missing) or pattern}: no such token file (make one with: python "
+                         "train.py prepare --text ... --out ...)")
+    return [Path(n) for n in names]
+
+
+def vocab_size(data: list) -> int:
     """The vocabulary of token files made with one tokenizer; ValueError if they were not."""
+    paths = [p for source in sources(data) for p in source.files]
     metas = [read_meta(p) for p in paths]
-    if len({(m["vocab_size"], m.get("eot_id")) for m in metas}) > 1:
+    if len({(m["vocab_size"], m.get("eot_id"), m.get("bos_id")) for m in metas}) > 1:
         raise ValueError(f"the token files {[str(p) for p in paths]} were made with different tokenizers")
     return metas[0]["vocab_size"]
 
 
-def describe(paths: list) -> dict:
-    """What a checkpoint records of its data: the files, and the tokenizer (its folder, `read_tokenizer` reads it;
-    an older token file's tokenizer.json) and end-of-text token that turn its ids back into text."""
-    first = Path(paths[0])
+def describe(data: list) -> dict:
+    """What a checkpoint records of its data: the files (and the sources, each a weight and its files), and the
+    tokenizer (its folder, `read_tokenizer` reads it; an older token file's tokenizer.json) and end-of-text token
+    that turn its ids back into text."""
+    mixture = sources(data)
+    first = mixture[0].files[0]
     tokenizer = read_meta(first).get("tokenizer")
-    return {"files": [str(Path(p).resolve()) for p in paths],
+    return {"files": [str(p.resolve()) for source in mixture for p in source.files],
+            "sources": [{"files": [str(p.resolve()) for p in s.files], "weight": s.weight} for s in mixture],
             "tokenizer": str((first.parent / tokenizer).resolve()) if tokenizer else None,
-            "vocab_size": vocab_size(paths), "eot_id": read_meta(first).get("eot_id")}
+            "vocab_size": vocab_size(data), "eot_id": read_meta(first).get("eot_id")}
 
 
 def load_tokens(path: str | Path, split: str) -> np.ndarray:
@@ -290,7 +487,7 @@ class TokenWindows(torch.utils.data.Dataset):
 
     def __init__(self, shards: list[np.ndarray], seq_len: int):
         self.shards, self.seq_len = shards, seq_len
-        counts = [(len(t) - 1) // seq_len for t in shards]
+        counts = [max(0, len(t) - 1) // seq_len for t in shards]
         self.starts = np.cumsum([0] + counts)          # the first window of each shard
         self.n = int(self.starts[-1])
         if self.n < 1:
@@ -368,43 +565,136 @@ class GlobalBatchSampler:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
-def train_loader(paths: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, global_batch: int,
+class MixtureSampler:
+    """GlobalBatchSampler's counterpart for several sources drawn by weight. Position p of the global stream of
+    windows goes to the source furthest below its share, w_s * (p + 1) - drawn_s largest (Megatron's blending:
+    every stretch of the stream holds each share to a window), and a source's k-th draw is position k of its own
+    shuffle (`permute`, keyed by the seed, the source and its epoch k // n_s): a small source repeats, epoch after
+    epoch, while a large one is partly seen. Its state counts globally (windows consumed, each source's draws), so
+    the stream is a function of (seed, weights, sizes) alone: a resume is exact at any data-parallel degree."""
+
+    def __init__(self, sizes: list[int], weights: list[float], local: int, dp_rank: int, dp_size: int,
                  seed: int = 0):
-    """torchdata's StatefulDataLoader over the training windows of the token files `paths`: `next(iter(loader))`
-    is this rank's micro-batch, and `loader.state_dict()` its exact position (kept in the checkpoint). Its own
-    generator: each `iter(loader)` draws a seed, which would otherwise come from the global generator and shift
-    the draws of dropout after a resume."""
+        self.sizes, self.weights = np.asarray(sizes, dtype=np.int64), np.asarray(weights, dtype=np.float64)
+        self.starts = np.cumsum([0] + list(sizes))[:-1]          # the first window of each source
+        self.local, self.dp_rank, self.dp_size, self.seed = local, dp_rank, dp_size, seed
+        self.consumed, self.drawn = 0, np.zeros(len(sizes), dtype=np.int64)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[int]:
+        drawn, picks = self.drawn.copy(), []                     # the global micro-batch: (source, its draw k)
+        for p in range(self.consumed, self.consumed + self.local * self.dp_size):
+            s = int(np.argmax(self.weights * (p + 1) - drawn))
+            picks.append((s, int(drawn[s])))
+            drawn[s] += 1
+        self.consumed, self.drawn = self.consumed + len(picks), drawn
+        mine = picks[self.dp_rank * self.local:(self.dp_rank + 1) * self.local]
+        return [int(self.starts[s]) + self.window(s, k) for s, k in mine]
+
+    def window(self, source: int, k: int) -> int:
+        """The source's k-th draw: a window of it, in its own order of epoch k // size."""
+        n = int(self.sizes[source])
+        key = (self.seed * 7919 + k // n) * 65537 + source
+        return int(permute(np.array([k % n]), n, key)[0])
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "drawn": self.drawn.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state.get("drawn", ())) != len(self.sizes):
+            raise ValueError(f"the saved data position is not of a mixture of {len(self.sizes)} sources")
+        self.consumed, self.drawn = int(state["consumed"]), np.asarray(state["drawn"], dtype=np.int64)
+
+
+def train_loader(data: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, global_batch: int,
+                 seed: int = 0):
+    """torchdata's StatefulDataLoader over the training windows of --data (`sources`): one source's through
+    GlobalBatchSampler, several mixed by weight through MixtureSampler. `next(iter(loader))` is this rank's
+    micro-batch, and `loader.state_dict()` its exact position (kept in the checkpoint). Its own generator: each
+    `iter(loader)` draws a seed, which would otherwise come from the global generator and shift the draws of dropout
+    after a resume."""
     import warnings
 
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    windows = TokenWindows([load_tokens(p, "train") for p in paths], seq_len)
-    sampler = GlobalBatchSampler(len(windows), local_batch, dp_rank, dp_size, global_batch, seed)
+    mixture = sources(data)
+    shards = [[load_tokens(p, "train") for p in source.files] for source in mixture]
+    windows = TokenWindows([tokens for group in shards for tokens in group], seq_len)
+    first = np.cumsum([0] + [len(group) for group in shards])            # each source's first shard
+    sizes = [int(windows.starts[b] - windows.starts[a]) for a, b in zip(first[:-1], first[1:])]
+    for source, size in zip(mixture, sizes):
+        if size == 0:
+            raise ValueError(f"{', '.join(map(str, source.files))}: no training window of {seq_len} tokens")
+    if len(mixture) == 1:
+        sampler = GlobalBatchSampler(len(windows), local_batch, dp_rank, dp_size, global_batch, seed)
+    else:
+        sampler = MixtureSampler(sizes, [s.weight for s in mixture], local_batch, dp_rank, dp_size, seed)
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which newer torch deprecates
         warnings.filterwarnings("ignore", message=".*set_vital")
         return StatefulDataLoader(windows, batch_sampler=sampler, num_workers=0,
                                   generator=torch.Generator().manual_seed(seed))
 
 
-def eval_batches(paths: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, max_windows: int):
-    """The held-out windows (the first `max_windows` of the tails, in order), this rank's share in batches: the
-    same set at every layout, so the evaluation loss is comparable between layouts."""
-    windows = TokenWindows([load_tokens(p, "eval") for p in paths], seq_len)
-    n = min(len(windows), max_windows) // dp_size * dp_size
+def eval_batches(data: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, max_windows: int):
+    """The held-out windows, this rank's share in batches: at most `max_windows`, taken from every shard's tail in
+    turn (the first window of each shard, then the second, ...), the same set at every layout, so the evaluation
+    loss is comparable between layouts and speaks for the whole corpus, not for its first shard."""
+    windows = TokenWindows([load_tokens(p, "eval") for s in sources(data) for p in s.files], seq_len)
+    counts, order, depth = np.diff(windows.starts), [], 0
+    while len(order) < min(len(windows), max_windows):
+        order += [int(windows.starts[s]) + depth for s in np.flatnonzero(counts > depth)]
+        depth += 1
+    n = min(len(order), max_windows) // dp_size * dp_size
     if n == 0:
         raise ValueError(f"the held-out tail has {len(windows)} windows of {seq_len}: fewer than {dp_size} ranks")
-    mine = list(range(dp_rank, n, dp_size))
+    mine = order[dp_rank:n:dp_size]
     for i in range(0, len(mine), local_batch):
         items = [windows[j] for j in mine[i:i + local_batch]]
         yield torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
 
 
+def fingerprint(data: list, seq_len: int, seed: int) -> dict:
+    """What a resume must find unchanged to go on with the same stream of windows (JSON, for the checkpoint): each
+    source's weight and token files, in order, by name (the folder may move), size and a hash of the metadata
+    (token count, dtype, tokenizer, held-out split; hashing the tokens would read the corpus), --seq-len (the
+    windows) and the seed (their order)."""
+    def file(path: Path) -> dict:
+        meta = hashlib.sha256(meta_path(path).read_bytes()).hexdigest()
+        return {"name": path.name, "bytes": path.stat().st_size, "meta_sha256": meta}
+    return {"sources": [{"weight": s.weight, "files": [file(p) for p in s.files]} for s in sources(data)],
+            "seq_len": seq_len, "seed": seed}
+
+
+def fingerprint_change(saved: dict, now: dict) -> str | None:
+    """None where a checkpoint's data fingerprint and this run's agree; else one line saying what changed."""
+    for key, flag in (("seq_len", "--seq-len"), ("seed", "--seed")):
+        if saved[key] != now[key]:
+            return f"{flag} was {saved[key]}, now {now[key]}"
+    before, after = saved["sources"], now["sources"]
+    if len(before) != len(after) or not all(math.isclose(a["weight"], b["weight"], rel_tol=1e-9)
+                                            for a, b in zip(before, after)):
+        weights = (", ".join(f"{s['weight']:.4g}" for s in side) for side in (before, after))
+        return "the data's sources (their weights) were {}, now {}".format(*weights)
+    for a, b in zip(before, after):
+        names = [[f["name"] for f in side["files"]] for side in (a, b)]
+        if names[0] != names[1]:
+            gone, new = sorted(set(names[0]) - set(names[1])), sorted(set(names[1]) - set(names[0]))
+            what = [f"gone: {', '.join(gone)}"] * bool(gone) + [f"new: {', '.join(new)}"] * bool(new)
+            return f"the token files changed ({'; '.join(what) or 'their order'})"
+        changed = [f["name"] for f, g in zip(a["files"], b["files"]) if f != g]
+        if changed:
+            return f"{', '.join(changed)} changed (its size or metadata differ)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="train.py prepare", description="Turn text files into a token file with "
-                                     "a held-out tail for evaluation: bytes, a tokenizer.json, or a BPE tokenizer "
-                                     "trained here on the same texts.")
+    parser = argparse.ArgumentParser(prog="train.py prepare", description="Turn text files into a token file (or "
+                                     "shards) with a held-out tail for evaluation: bytes, a Hugging Face tokenizer, "
+                                     "or a BPE tokenizer trained here on the same texts.")
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")   # one line, status 2
-    parser.add_argument("--text", nargs="+", required=True, help="UTF-8 text files")
+    parser.add_argument("--text", nargs="+", required=True, help="UTF-8 text files (read as they are tokenized)")
     parser.add_argument("--out", required=True, help="the token file to write (and OUT.json beside it)")
     parser.add_argument("--eval-fraction", type=float, default=0.05, help="the tail held out for evaluation")
     which = parser.add_mutually_exclusive_group()
@@ -412,10 +702,15 @@ def main(argv: list[str] | None = None) -> None:
                        "tokenizer.json; its files name its special tokens")
     which.add_argument("--train-tokenizer", type=int, metavar="VOCAB", help="train a byte-level BPE tokenizer of "
                        "this vocabulary size on the texts (needs `tokenizers`)")
-    parser.add_argument("--doc-separator", help="cut each file into documents at this string (default: a file is "
-                        "a document); with a tokenizer each document ends with its end-of-text token")
     parser.add_argument("--eos-token", metavar="TOKEN", help="the token that ends a document, where --tokenizer's "
                         "files name none (or another one)")
+    parser.add_argument("--doc-separator", help="cut each file into documents at this string (default: a file is "
+                        "a document); with a tokenizer each document ends with its end-of-text token")
+    parser.add_argument("--workers", type=int, default=1, help="processes that tokenize (the same output for any "
+                        "number)")
+    parser.add_argument("--shard-tokens", type=int, metavar="N", help="write shards of N tokens, OUT-00000.bin, "
+                        "OUT-00001.bin, ... (OUT without its suffix), each with its metadata and held-out tail; "
+                        "train.py takes them all: --data OUT-*.bin")
     args = parser.parse_args(argv)
     if not 0 < args.eval_fraction < 1:
         parser.error(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
@@ -427,26 +722,27 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--eos-token names a token of --tokenizer: give --tokenizer")
     if args.train_tokenizer is not None and args.train_tokenizer < 257:
         parser.error(f"--train-tokenizer {args.train_tokenizer}: a byte-level BPE needs more than 256 tokens")
-    texts = [Path(t).read_text(encoding="utf-8") for t in args.text]
-    if args.doc_separator:
-        texts = [doc for text in texts for doc in text.split(args.doc_separator) if doc.strip()]
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
     tokenizer = None
     try:
         if args.tokenizer:
             tokenizer = read_tokenizer(args.tokenizer, args.eos_token)
         elif args.train_tokenizer:
-            tokenizer = from_tokenizer(train_tokenizer(texts, args.train_tokenizer), EOT)
-            tokenizer.eos_from = "trained here"
-        out = prepare(texts, args.out, args.eval_fraction, tokenizer)
-    except ValueError as e:
-        parser.error(str(e))
+            trained = train_tokenizer(read_documents(args.text, args.doc_separator), args.train_tokenizer)
+            tokenizer = dataclasses.replace(from_tokenizer(trained, EOT), eos_from="trained here")
+        paths = prepare_shards(read_documents(args.text, args.doc_separator), args.out, args.shard_tokens,
+                               args.eval_fraction, tokenizer, args.workers)
+    except ValueError as e:         # UnicodeDecodeError, a text file that is not UTF-8, is one
+        parser.error(str(e).splitlines()[0])
+    metas = [read_meta(p) for p in paths]
+    count, held = sum(m["tokens"] for m in metas), sum(m["tokens"] - m["eval_start"] for m in metas)
+    kind = f"{metas[0]['vocab_size']:,}-token" if tokenizer else "byte"
+    where = str(paths[0]) if len(paths) == 1 else f"{len(paths)} shards, {paths[0]} to {paths[-1].name}"
+    print(f"wrote {where}: {count:,} {kind} tokens ({metas[0]['dtype']}), {held:,} of them held out for "
+          f"evaluation (the tail of {'each shard' if len(paths) > 1 else 'the file'})", file=sys.stderr)
     if tokenizer:
         print(tokenizer.summary(), file=sys.stderr)
-    meta = read_meta(out)
-    kind = f"{meta['vocab_size']:,}-token BPE" if tokenizer else "byte"
-    print(f"wrote {out}: {meta['tokens']:,} {kind} tokens ({meta['dtype']}) from {len(texts)} document"
-          f"{'s' * (len(texts) != 1)}, the last {meta['tokens'] - meta['eval_start']:,} held out for evaluation",
-          file=sys.stderr)
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,8 @@ stops at, the chat template; the Hub's layout and transformers 5's); `prepare`'s
 document's plus the EOS, from a folder, from its tokenizer.json and from a tokenizer.json alone; the folder
 `prepare` writes beside the tokens opens in AutoTokenizer as the tokenizer the tokens were made with; an older
 token file's tokenizer.json still reads; and `train.py prepare`, run from a copy of the recipe, takes a folder,
-refuses a tokenizer with no end-of-text token in one line (exit status 2) and takes `--eos-token` naming one."""
+refuses a tokenizer with no end-of-text token in one line (exit status 2), takes `--eos-token` naming one, and
+writes the same shards on two worker processes as on one (`--workers`, `--shard-tokens`)."""
 from __future__ import annotations
 
 import json
@@ -198,3 +199,20 @@ def test_train_py_prepare_refuses_a_tokenizer_without_an_end_of_text_token_and_t
     reopened = AutoTokenizer.from_pretrained(root / meta["tokenizer"])
     assert reopened.eos_token == "<|doc|>" and tokens.count(reopened.eos_token_id) == len(DOCS)
     assert tokens == _reference_ids(reopened, DOCS)
+
+
+def test_train_py_prepare_writes_the_same_shards_on_two_worker_processes_as_on_one(project, downloads):
+    """In a process of its own: spawned workers leave multiprocessing's resource tracker behind until their parent
+    exits, which tests/conftest.py would count as a process left by the test."""
+    root, _ = project
+    made = {}
+    for workers in (1, 2):
+        done = _prepare(project, "--out", f"w{workers}/tokens.bin", "--tokenizer", downloads.llama3, "--workers",
+                        workers, "--shard-tokens", 300)
+        assert done.returncode == 0, done.stderr
+        made[workers] = sorted((root / f"w{workers}").glob("tokens-*.bin*"))
+    assert len(made[1]) > 4 and [p.name for p in made[1]] == [p.name for p in made[2]], "shards and their metadata"
+    assert [p.read_bytes() for p in made[1]] == [p.read_bytes() for p in made[2]], "2 processes write 1 process's"
+    whole = b"".join(p.read_bytes() for p in made[1] if p.suffix == ".bin")
+    done = _prepare(project, "--out", "whole.bin", "--tokenizer", downloads.llama3)
+    assert done.returncode == 0 and (root / "whole.bin").read_bytes() == whole, "the shards cut the one file"
