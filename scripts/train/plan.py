@@ -94,6 +94,8 @@ class Training:
                              f"{self.checkpointing!r}")
 
 
+# ------------------------------------------------------------------------------------------ 1. the GPUs and their rates
+
 @dataclass(frozen=True)
 class GPU:
     """What a step time and a fit need of a GPU besides its datasheet FLOP/s (hardware.py's table, looked up by
@@ -125,6 +127,8 @@ GPUS = {
                      source="A100 80GB SXM datasheet (2,039 GB/s, NVLink 600 GB/s both ways), 200 Gb/s per GPU "
                             "between nodes (DGX A100); 79.25 GiB as torch reports it"),
 }
+
+
 # The rates a datasheet does not give, each from a named measurement (none is fitted to the runs notebook 10 compares):
 # - a large bf16 matmul reaches 701.1 of the H200's 989.4 dense TFLOP/s: notebook 05 on one H200, docs/measurements.md
 #   (2026-11-26, 8192^3); applied to every GPU's datasheet figure unless `--matmul-tflops` gives the reader's own;
@@ -183,7 +187,7 @@ def gpu_rates(gpu: GPU, dtype: str = "bf16", matmul: float | None = None) -> Rat
                   f"between nodes: {gpu.source}"))
 
 
-# ----------------------------------------------------------------------------------------------- the parameters
+# ------------------------------------------------------------------------------------------------------- 2. model state
 
 def _block_shapes(cfg: LlamaArgs, i: int, experts: int = 0) -> list[tuple[str, tuple[int, ...], int | None]]:
     """Block i's parameters: (name, shape, tensor-parallel shard dim or None); with `experts`, moe.py's MoE in place
@@ -222,6 +226,14 @@ def parameter_shapes(cfg: LlamaArgs, experts: int = 0) -> list[tuple[str, tuple[
 def parameter_count(cfg: LlamaArgs, experts: int = 0) -> int:
     """Every parameter, summed from the shapes (config.LlamaArgs.num_params gives the same by formula, dense)."""
     return sum(math.prod(shape) for _, shape, _ in parameter_shapes(cfg, experts))
+
+
+def active_parameter_count(cfg: LlamaArgs, experts: int = 0, top_k: int = 1) -> int:
+    """The parameters one token meets: every one of a dense model; with MoE the router and top_k of the experts in
+    each block (what FLOPs, and so MFU, count), not all of them."""
+    if not experts:
+        return parameter_count(cfg)
+    return parameter_count(cfg) + cfg.n_layers * (experts * cfg.dim + (top_k - 1) * 3 * cfg.dim * cfg.hidden)
 
 
 def count_parameters(build_model) -> int:
@@ -342,7 +354,12 @@ def rope_tables_bytes(cfg: LlamaArgs) -> int:
     return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * 4
 
 
-# ---------------------------------------------------------------------------------------------- the activations
+# ------------------------------------------------------------------------------------------------------- 3. activations
+
+def rank_tokens(train: Training) -> int:
+    """Tokens of one micro-batch on one rank: batch_size sequences, of which each of the cp ranks holds 1/cp."""
+    return train.batch_size * train.seq_len // train.cp
+
 
 def layer_activations(cfg: LlamaArgs, train: Training, tp: int) -> dict[str, float]:
     """Bytes autograd keeps for backward in one transformer block for one micro-batch, by tensor (no checkpointing).
@@ -390,6 +407,57 @@ def layer_activations(cfg: LlamaArgs, train: Training, tp: int) -> dict[str, flo
         terms["feed-forward input, gathered (w1, w3)"] = n * d * mat
         terms.update(moe_activations(cfg, train))
     return terms
+
+
+def ring_activations(cfg: LlamaArgs, train: Training) -> dict[str, float]:
+    """What cp.py's ring attention keeps in place of SDPA's terms (`layer_activations`), per block and micro-batch:
+    RingAttention saves q, k and v at n_kv_heads heads (it repeats k and v per step, unsaved), its output and its
+    log-sum-exp (in the compute dtype: the ring computes it, not a fused kernel); wo keeps its input beside the
+    output, a copy (the ring's output is laid out by head, and transpose-reshape copies it)."""
+    b, n = _dtype_bytes(train.precision), rank_tokens(train)
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return {"q rotated, k and v repeated": n * (cfg.dim + 2 * kv) * b["matmul"],
+            "attention output": 2 * n * cfg.dim * b["matmul"],
+            "attention log-sum-exp": n * cfg.n_heads * b["residual"]}
+
+
+def moe_rows(train: Training) -> int:
+    """Rows one rank's experts take per block and micro-batch under even routing: its tokens k times each (with
+    ep, the rows it sends away are matched by as many received)."""
+    return rank_tokens(train) * train.moe_top_k
+
+
+def moe_activations(cfg: LlamaArgs, train: Training, rows: int | None = None) -> dict[str, float]:
+    """What moe.py's MoE keeps in place of the SwiGLU feed-forward, per block and micro-batch; `rows`: rows this
+    rank's experts received (default `moe_rows`, even routing). The router's fp32 probabilities (softmax keeps its
+    output); top-k's weights, their sum and indices; the (token, choice) order and the token of each routed row
+    (int64, kept by the gathers and index_add_); the chosen weights gathered; each expert's input rows (cast once
+    per w1, w3 under autocast) and its SwiGLU (as the dense one, per row); the experts' outputs and the weighted
+    ones (index_add_ keeps its source); the aux loss's assignment shares. With ep the received rows are regrouped
+    by expert and back (two int64 indices per row); under autocast every expert weight is cast again per forward
+    and kept (w1[e] is a view: autocast caches casts of leaf weights only)."""
+    b, n, e, k, d = _dtype_bytes(train.precision), rank_tokens(train), train.moe_experts, train.moe_top_k, cfg.dim
+    rows = moe_rows(train) if rows is None else rows
+    mat, res, autocast = b["matmul"], b["residual"], train.precision == "bf16-autocast"
+    terms = {"router probabilities (fp32)": n * e * 4,
+             "top-k weights, their sum (fp32), indices": n * k * 4 + n * 4 + n * k * 8,
+             "routing order and token of each row (int64)": 2 * n * k * 8,
+             "chosen weights, by expert": n * k * res,
+             "experts' input rows": (2 if autocast else 1) * rows * d * mat,
+             "SwiGLU: w1 and w3 outputs, silu, product": 4 * rows * cfg.hidden * mat,
+             "experts' outputs, and weighted": n * k * d * (mat + res),
+             "aux loss's assignment shares": e * 4}
+    if train.ep > 1:
+        terms["rows regrouped by expert and back (int64)"] = 2 * rows * 8
+    if autocast:
+        terms["expert weights cast to bf16 (not cached)"] = 3 * e // train.ep * d * cfg.hidden * 2
+    return terms
+
+
+def moe_statistics_bytes(train: Training) -> int:
+    """What each MoE block holds after a forward on the module, not for autograd: tokens_per_expert (int64) and
+    aux_loss (a float32 scalar)."""
+    return train.moe_experts * 8 + 4 if train.moe_experts else 0
 
 
 def head_activations(cfg: LlamaArgs, train: Training, tp: int) -> dict[str, float]:
@@ -476,64 +544,6 @@ def selective_block(cfg: LlamaArgs, train: Training, tp: int) -> dict[str, float
     return {k: v for k, v in terms.items() if v}
 
 
-# ------------------------------------------------------------- context parallelism and experts: what they keep
-
-def rank_tokens(train: Training) -> int:
-    """Tokens of one micro-batch on one rank: batch_size sequences, of which each of the cp ranks holds 1/cp."""
-    return train.batch_size * train.seq_len // train.cp
-
-
-def ring_activations(cfg: LlamaArgs, train: Training) -> dict[str, float]:
-    """What cp.py's ring attention keeps in place of SDPA's terms (`layer_activations`), per block and micro-batch:
-    RingAttention saves q, k and v at n_kv_heads heads (it repeats k and v per step, unsaved), its output and its
-    log-sum-exp (in the compute dtype: the ring computes it, not a fused kernel); wo keeps its input beside the
-    output, a copy (the ring's output is laid out by head, and transpose-reshape copies it)."""
-    b, n = _dtype_bytes(train.precision), rank_tokens(train)
-    kv = cfg.n_kv_heads * cfg.head_dim
-    return {"q rotated, k and v repeated": n * (cfg.dim + 2 * kv) * b["matmul"],
-            "attention output": 2 * n * cfg.dim * b["matmul"],
-            "attention log-sum-exp": n * cfg.n_heads * b["residual"]}
-
-
-def moe_rows(train: Training) -> int:
-    """Rows one rank's experts take per block and micro-batch under even routing: its tokens k times each (with
-    ep, the rows it sends away are matched by as many received)."""
-    return rank_tokens(train) * train.moe_top_k
-
-
-def moe_activations(cfg: LlamaArgs, train: Training, rows: int | None = None) -> dict[str, float]:
-    """What moe.py's MoE keeps in place of the SwiGLU feed-forward, per block and micro-batch; `rows`: rows this
-    rank's experts received (default `moe_rows`, even routing). The router's fp32 probabilities (softmax keeps its
-    output); top-k's weights, their sum and indices; the (token, choice) order and the token of each routed row
-    (int64, kept by the gathers and index_add_); the chosen weights gathered; each expert's input rows (cast once
-    per w1, w3 under autocast) and its SwiGLU (as the dense one, per row); the experts' outputs and the weighted
-    ones (index_add_ keeps its source); the aux loss's assignment shares. With ep the received rows are regrouped
-    by expert and back (two int64 indices per row); under autocast every expert weight is cast again per forward
-    and kept (w1[e] is a view: autocast caches casts of leaf weights only)."""
-    b, n, e, k, d = _dtype_bytes(train.precision), rank_tokens(train), train.moe_experts, train.moe_top_k, cfg.dim
-    rows = moe_rows(train) if rows is None else rows
-    mat, res, autocast = b["matmul"], b["residual"], train.precision == "bf16-autocast"
-    terms = {"router probabilities (fp32)": n * e * 4,
-             "top-k weights, their sum (fp32), indices": n * k * 4 + n * 4 + n * k * 8,
-             "routing order and token of each row (int64)": 2 * n * k * 8,
-             "chosen weights, by expert": n * k * res,
-             "experts' input rows": (2 if autocast else 1) * rows * d * mat,
-             "SwiGLU: w1 and w3 outputs, silu, product": 4 * rows * cfg.hidden * mat,
-             "experts' outputs, and weighted": n * k * d * (mat + res),
-             "aux loss's assignment shares": e * 4}
-    if train.ep > 1:
-        terms["rows regrouped by expert and back (int64)"] = 2 * rows * 8
-    if autocast:
-        terms["expert weights cast to bf16 (not cached)"] = 3 * e // train.ep * d * cfg.hidden * 2
-    return terms
-
-
-def moe_statistics_bytes(train: Training) -> int:
-    """What each MoE block holds after a forward on the module, not for autograd: tokens_per_expert (int64) and
-    aux_loss (a float32 scalar)."""
-    return train.moe_experts * 8 + 4 if train.moe_experts else 0
-
-
 def checkpointed_blocks(cfg: LlamaArgs, train: Training, blocks: list[int]) -> list[int]:
     """The blocks whose forward runs under torch.utils.checkpoint: all of them ("full", "selective"), the even ones
     ("alternate", as ac.apply_ac skips the odd), none."""
@@ -605,7 +615,7 @@ def autocast_weight_copies(cfg: LlamaArgs, train: Training, layout: Layout, rank
     return {"block": 2 * (2 * d * d + 2 * d * kv + ffn) / tp, "head": head}
 
 
-# ------------------------------------------------------------------------------------------ memory a GPU reports
+# ------------------------------------------------------------------------------------------ 4. the memory a GPU reports
 
 # The caching allocator reserves more than it hands out: it keeps freed blocks for reuse, rounds requests up, and a
 # request that fits no cached block takes a new segment. The model here: reserved = allocated x (1 + overhead), the
@@ -622,6 +632,15 @@ NON_TORCH_BYTES = 2 * GIB   # CUDA's context and NCCL's buffers, outside the cac
 def allocator_overhead(checkpointing: str) -> float:
     active, reserved = ALLOCATOR_RUNS["full" if checkpointing == "full" else "selective"]
     return reserved / active - 1
+
+
+def ring_backward_buffers(cfg: LlamaArgs, train: Training) -> float:
+    """What RingAttention's backward holds besides the saved tensors, counted from cp.py (not measured): the
+    travelling k, v with their gradients, the copy sent and the one received (12 tensors of one rank's k); k, v
+    repeated to every head and their gradients, and dq (5 of the tokens x dim); two score blocks (p, ds)."""
+    mat, n, c = _dtype_bytes(train.precision)["matmul"], rank_tokens(train), train.seq_len // (2 * train.cp)
+    return (12 * n * cfg.n_kv_heads * cfg.head_dim + 5 * n * cfg.dim
+            + 2 * train.batch_size * cfg.n_heads * c * c) * mat
 
 
 def memory(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
@@ -673,7 +692,7 @@ def memory(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, schedule:
             "phase": phase, "held": held, "phases": phases, "activations": act, "state": state}
 
 
-# ------------------------------------------------------------------------------------------------ communication
+# ----------------------------------------------------------------------------------------------------- 5. communication
 
 def _group_elements(cfg: LlamaArgs, layout: Layout, rank: int, train: Training) -> list[tuple[int, int]]:
     """[(elements of one rank's padded shard of an FSDP group, how many such groups)] on `rank`'s stage: a block
@@ -766,8 +785,6 @@ def _recomputed(cfg: LlamaArgs, train: Training, blocks: list[int], elements: in
     return [(elements, res)] * (2 * again), scatters
 
 
-# ------------------------------------------------------ context parallelism and experts: what they send
-
 def ring_sends(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> list[dict]:
     """cp.py's ring per block and micro-batch, as RingAttention sends it (batch_isend_irecv: each rank sends one
     message to the next and receives one): forward, cp - 1 shifts of this rank's k and v stacked; backward, cp - 1
@@ -784,15 +801,6 @@ def ring_sends(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> li
                           micro * again * (cp - 1) * 2 * kv, mat)
             + _collective("context-parallel ring, backward (k, v, dk, dv)", "send", "cp", cp,
                           micro * len(blocks) * cp, micro * len(blocks) * ((cp - 1) * 4 + 2) * kv, mat))
-
-
-def ring_backward_buffers(cfg: LlamaArgs, train: Training) -> float:
-    """What RingAttention's backward holds besides the saved tensors, counted from cp.py (not measured): the
-    travelling k, v with their gradients, the copy sent and the one received (12 tensors of one rank's k); k, v
-    repeated to every head and their gradients, and dq (5 of the tokens x dim); two score blocks (p, ds)."""
-    mat, n, c = _dtype_bytes(train.precision)["matmul"], rank_tokens(train), train.seq_len // (2 * train.cp)
-    return (12 * n * cfg.n_kv_heads * cfg.head_dim + 5 * n * cfg.dim
-            + 2 * train.batch_size * cfg.n_heads * c * c) * mat
 
 
 def expert_collectives(cfg: LlamaArgs, train: Training, layout: Layout, rank: int,
@@ -871,7 +879,7 @@ def communication(cfg: LlamaArgs, train: Training, layout: Layout, rank: int = 0
     return records
 
 
-# ------------------------------------------------------------------------------------------------------ the time
+# -------------------------------------------------------------------------------------------------------------- 6. time
 
 def _tile_fill(m: int, n: int, sms: int) -> float:
     """The share of a GPU's tensor cores an (m x n) output keeps busy: 128 x 256 tiles (cuBLAS's for large bf16
@@ -932,6 +940,29 @@ def _recomputed_matmuls(train: Training) -> tuple[str, ...]:
     if train.checkpointing == TORCHTITAN_SELECTIVE:
         return ("wk", "wo", "w3")
     return ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+
+
+def ring_attention_seconds(cfg: LlamaArgs, train: Training, rates: Rates, forwards: float = 3.5,
+                           passes: int = 26) -> float:
+    """One block's ring attention on one rank: cp.py computes it in eager block matmuls, not a fused kernel, so its
+    FLOPs (`step_time`'s causal count for this rank's queries, `forwards` forwards: 3.5 with the backward, 1 for a
+    recomputed forward) run at the matmul rate, and each visible score block (chunk x chunk per head, 2 x cp + 1 of
+    them) is read or written `passes` times at the memory rate, counted from cp.py's ops: 10 in forward (the
+    scores, scale, max, subtract, exp, sum, p @ v), 16 in backward (the scores again, lse, exp, dP, delta, dS)."""
+    c = train.seq_len // (2 * train.cp)
+    scores = (2 * train.cp + 1) * train.batch_size * cfg.n_heads * c * c * _dtype_bytes(train.precision)["matmul"]
+    flops = forwards * 2 * rank_tokens(train) * train.seq_len * cfg.dim
+    return flops / rates.matmul + passes * scores / rates.memory
+
+
+def moe_matmul_seconds(cfg: LlamaArgs, train: Training, rates: Rates, forward_only: bool = False) -> float:
+    """One MoE block's matmuls on one rank, forward and backward (or the forward alone, recomputed): the router's,
+    and each of its E / ep experts' w1, w3 and w2 on the rows it takes under even routing, k / E of the tokens of
+    the ep ranks (ep x n x k / E rows each)."""
+    d, h, n, e, ep = cfg.dim, cfg.hidden, rank_tokens(train), train.moe_experts, train.ep
+    rows = -(-ep * n * train.moe_top_k // e)
+    one = matmul_seconds if forward_only else _forward_backward
+    return one(n, d, e, rates) + e // ep * sum(one(*s, rates) for s in ((rows, d, h), (rows, d, h), (rows, h, d)))
 
 
 def bus_bandwidth(size: int, stride: int, rates: Rates) -> float:
@@ -1020,39 +1051,6 @@ def step_time(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates, ran
             "rates": rates.sources}
 
 
-# -------------------------------------------------- context parallelism and experts: their time and FLOPs
-
-def ring_attention_seconds(cfg: LlamaArgs, train: Training, rates: Rates, forwards: float = 3.5,
-                           passes: int = 26) -> float:
-    """One block's ring attention on one rank: cp.py computes it in eager block matmuls, not a fused kernel, so its
-    FLOPs (`step_time`'s causal count for this rank's queries, `forwards` forwards: 3.5 with the backward, 1 for a
-    recomputed forward) run at the matmul rate, and each visible score block (chunk x chunk per head, 2 x cp + 1 of
-    them) is read or written `passes` times at the memory rate, counted from cp.py's ops: 10 in forward (the
-    scores, scale, max, subtract, exp, sum, p @ v), 16 in backward (the scores again, lse, exp, dP, delta, dS)."""
-    c = train.seq_len // (2 * train.cp)
-    scores = (2 * train.cp + 1) * train.batch_size * cfg.n_heads * c * c * _dtype_bytes(train.precision)["matmul"]
-    flops = forwards * 2 * rank_tokens(train) * train.seq_len * cfg.dim
-    return flops / rates.matmul + passes * scores / rates.memory
-
-
-def moe_matmul_seconds(cfg: LlamaArgs, train: Training, rates: Rates, forward_only: bool = False) -> float:
-    """One MoE block's matmuls on one rank, forward and backward (or the forward alone, recomputed): the router's,
-    and each of its E / ep experts' w1, w3 and w2 on the rows it takes under even routing, k / E of the tokens of
-    the ep ranks (ep x n x k / E rows each)."""
-    d, h, n, e, ep = cfg.dim, cfg.hidden, rank_tokens(train), train.moe_experts, train.ep
-    rows = -(-ep * n * train.moe_top_k // e)
-    one = matmul_seconds if forward_only else _forward_backward
-    return one(n, d, e, rates) + e // ep * sum(one(*s, rates) for s in ((rows, d, h), (rows, d, h), (rows, h, d)))
-
-
-def active_parameter_count(cfg: LlamaArgs, experts: int = 0, top_k: int = 1) -> int:
-    """The parameters one token meets: every one of a dense model; with MoE the router and top_k of the experts in
-    each block (what FLOPs, and so MFU, count), not all of them."""
-    if not experts:
-        return parameter_count(cfg)
-    return parameter_count(cfg) + cfg.n_layers * (experts * cfg.dim + (top_k - 1) * 3 * cfg.dim * cfg.hidden)
-
-
 def flops_per_token(cfg: LlamaArgs, train: Training) -> float:
     """Training FLOPs per token as config.LlamaArgs.flops_per_token counts them (6 per matmul weight, the attention
     scores uncounted for causality), with an MoE's active weights (`active_parameter_count`)."""
@@ -1060,32 +1058,7 @@ def flops_per_token(cfg: LlamaArgs, train: Training) -> float:
     return cfg.flops_per_token(train.seq_len) + 6 * extra
 
 
-def data_ranks(layout: Layout, train: Training) -> int:
-    """The ranks that read different batches: the data-parallel ones, cp of which share each batch."""
-    return layout.dp // train.cp
-
-
-def check_context_and_experts(train: Training, layout: Layout) -> None:
-    """ValueError (one line) where the recipe refuses --cp or --moe-experts/--ep (train.check_context_parallel
-    and its MoE checks): their ranks come out of dp_shard's; neither is built beside tp or pp, nor MoE beside cp;
-    the ring cuts each sequence into 2 x cp chunks and stops torch.compile at its sends."""
-    for flag, n in (("--cp", train.cp), ("--ep", train.ep)):
-        if layout.dp_shard % n:
-            raise ValueError(f"{flag} {n} ranks are taken out of --dp-shard {layout.dp_shard}: it must divide it")
-    if train.cp > 1 and (layout.tp > 1 or layout.pp > 1):
-        raise ValueError("--cp with --tp or --pp: not built in this recipe (context parallel over data parallel only)")
-    if train.seq_len % (2 * train.cp):
-        raise ValueError(f"--cp {train.cp} cuts each sequence into {2 * train.cp} equal chunks: --seq-len "
-                         f"{train.seq_len} does not divide")
-    if train.cp > 1 and train.compile:
-        raise ValueError("--cp: torch.compile does not compile the ring's point-to-point sends: add --no-compile")
-    if train.moe_experts and (layout.tp > 1 or layout.pp > 1 or train.cp > 1):
-        raise ValueError("--moe-experts with --tp, --pp or --cp: not built in this recipe (experts over data "
-                         "parallel only)")
-    if train.moe_experts and train.compile:
-        raise ValueError("--moe-experts: torch.compile stops at the router's data-dependent row counts, not built "
-                         "here: add --no-compile")
-
+# ------------------------------------------------------------------------------------------- 7. the plan and the search
 
 ASSUMPTIONS = (
     "model state: fp32 master weights and gradients, AdamW's two fp32 moments (SGD: one); FSDP2 pads dim 0",
@@ -1132,6 +1105,33 @@ class Plan:
 
     def command(self, script: str = "scripts/train/train.py", nodes: int = 1, **extra) -> str:
         return torchrun_command(self.cfg, self.train, self.layout, script, nodes, **extra)
+
+
+def data_ranks(layout: Layout, train: Training) -> int:
+    """The ranks that read different batches: the data-parallel ones, cp of which share each batch."""
+    return layout.dp // train.cp
+
+
+def check_context_and_experts(train: Training, layout: Layout) -> None:
+    """ValueError (one line) where the recipe refuses --cp or --moe-experts/--ep (train.check_context_parallel
+    and its MoE checks): their ranks come out of dp_shard's; neither is built beside tp or pp, nor MoE beside cp;
+    the ring cuts each sequence into 2 x cp chunks and stops torch.compile at its sends."""
+    for flag, n in (("--cp", train.cp), ("--ep", train.ep)):
+        if layout.dp_shard % n:
+            raise ValueError(f"{flag} {n} ranks are taken out of --dp-shard {layout.dp_shard}: it must divide it")
+    if train.cp > 1 and (layout.tp > 1 or layout.pp > 1):
+        raise ValueError("--cp with --tp or --pp: not built in this recipe (context parallel over data parallel only)")
+    if train.seq_len % (2 * train.cp):
+        raise ValueError(f"--cp {train.cp} cuts each sequence into {2 * train.cp} equal chunks: --seq-len "
+                         f"{train.seq_len} does not divide")
+    if train.cp > 1 and train.compile:
+        raise ValueError("--cp: torch.compile does not compile the ring's point-to-point sends: add --no-compile")
+    if train.moe_experts and (layout.tp > 1 or layout.pp > 1 or train.cp > 1):
+        raise ValueError("--moe-experts with --tp, --pp or --cp: not built in this recipe (experts over data "
+                         "parallel only)")
+    if train.moe_experts and train.compile:
+        raise ValueError("--moe-experts: torch.compile stops at the router's data-dependent row counts, not built "
+                         "here: add --no-compile")
 
 
 def check_layout(cfg: LlamaArgs, train: Training, layout: Layout) -> None:
@@ -1226,6 +1226,8 @@ def fitting_layouts(cfg: LlamaArgs, gpus: int, gpu: str | GPU, rates: Rates | No
             found.append(p)
     return sorted(found, key=lambda p: (p.time["seconds"], p.reserved))
 
+
+# -------------------------------------------------------------------------------------------------- 8. the command line
 
 SHAPE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings")   # train.py's
 
@@ -1323,8 +1325,6 @@ def replace(obj, **changes):
     """dataclasses.replace, re-exported so a notebook varies one field of a config without importing dataclasses."""
     return dataclasses.replace(obj, **changes)
 
-
-# --------------------------------------------------------------------------------------------- the command line
 
 class Parser(argparse.ArgumentParser):
     """Bad input: one line on stderr, exit status 2 (argparse's own error prints the whole usage first)."""
