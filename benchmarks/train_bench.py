@@ -30,18 +30,18 @@ RECIPE = Path(__file__).resolve().parents[1] / "scripts" / "train"
 
 
 def layouts(world: int) -> list[tuple[str, int, list[str]]]:
-    """(name, ranks, flags) of every layout `world` ranks can take, one process first."""
-    rows = [("one process", 1, [])]
-    if world < 2:
-        return rows
-    rows += [(f"DDP {world}", world, ["--dp-replicate", str(world), "--dp-shard", "1"]),
-             (f"FSDP2 {world}", world, []),
-             (f"TP {world}", world, ["--tp", str(world)]),
-             (f"pipeline {world} (1f1b)", world, ["--pp", str(world), "--accum", str(2 * world)])]
+    """(name, ranks, flags) of every layout `world` ranks can take, one process first: named as train.py's first
+    line names it, and written as its flags, both by the recipe's job spec (job.ParallelDims.describe, job.argv)."""
+    from job import ParallelDims, argv
+
+    rows = [(ParallelDims(), {})]
+    if world >= 2:
+        rows += [(ParallelDims(dp_replicate=world), {}), (ParallelDims(dp_shard=world), {}),
+                 (ParallelDims(tp=world), {}), (ParallelDims(pp=world), {"accum": 2 * world})]
     if world >= 4 and world % 2 == 0:
-        rows += [(f"HSDP 2x{world // 2}", world, ["--dp-replicate", "2", "--dp-shard", str(world // 2)]),
-                 (f"FSDP2 {world // 2} x TP 2", world, ["--tp", "2"])]
-    return rows
+        rows += [(ParallelDims(dp_replicate=2, dp_shard=world // 2), {}), (ParallelDims(dp_shard=world // 2, tp=2), {})]
+    return [(dims.describe(), dims.world, argv({"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+                                                  "tp": dims.tp, "pp": dims.pp, **extra})) for dims, extra in rows]
 
 
 def run(name: str, ranks: int, flags: list[str], common: list[str], env: dict, timeout: float,
@@ -197,8 +197,8 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="the recipe folder (default: scripts/train)")
     parser.add_argument("--one-process", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # a child: KIND FLAGS
     args = parser.parse_args()
+    sys.path.insert(0, str(args.recipe))              # the recipe's modules: its job spec here, train.py in a child
     if args.one_process is not None:                  # one run of one kind, in a process of its own
-        sys.path.insert(0, str(args.recipe))
         print("result: " + json.dumps(one_process_run(args.one_process[0], args.one_process[1:])), flush=True)
         return
     cores = os.cpu_count()

@@ -54,9 +54,9 @@ PRIVATE = {
     "record_memory_history": PrivateAPI(
         "torch.cuda.memory", "_record_memory_history",
         "helpers/measure/memory.py (cuda_step_snapshot), notebook 05's worker memory_snapshot (the lesson), "
-        "scripts/train/train.py's --memory-snapshot (notebook 09's cells: a recipe module, torch only)",
+        "scripts/train/measure.py's --memory-snapshot (notebook 09's cells: a recipe module, torch only)",
         "the allocator's event history behind a memory snapshot: documented in 'Understanding CUDA Memory Usage', "
-        "but only under this name", ("notebooks/05_mixed_precision.ipynb", "scripts/train/train.py",
+        "but only under this name", ("notebooks/05_mixed_precision.ipynb", "scripts/train/measure.py",
                                      "notebooks/09_from_notebook_to_cluster.ipynb")),
     "memory_snapshot": PrivateAPI(
         "torch.cuda.memory", "_snapshot", "helpers/measure/memory.py (cuda_step_snapshot)",
@@ -64,9 +64,10 @@ PRIVATE = {
     "dump_memory_snapshot": PrivateAPI(
         "torch.cuda.memory", "_dump_snapshot",
         "helpers/measure/memory.py (cuda_step_snapshot), notebook 05's worker memory_snapshot (the lesson), "
-        "scripts/train/train.py's --memory-snapshot (notebook 09's cells)",
+        "scripts/train/measure.py's --memory-snapshot (notebook 09's cells)",
         "writes the pickle that pytorch.org/memory_viz draws; documented, but only under this name",
-        ("notebooks/05_mixed_precision.ipynb", "scripts/train/train.py", "notebooks/09_from_notebook_to_cluster.ipynb")),
+        ("notebooks/05_mixed_precision.ipynb", "scripts/train/measure.py",
+         "notebooks/09_from_notebook_to_cluster.ipynb")),
     "default_first_bucket_bytes": PrivateAPI(
         "torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES", "helpers/measure/ddp.py (bucket_limits)",
         "DDP's small first bucket (1 MiB) that its rebuilt buckets start with; no public constant or argument "

@@ -17,9 +17,22 @@ column-wise projection, the loss's backward holds three fp32 tensors of the whol
 reserves more than it hands out. Every term here names the tensor it counts, so a notebook can hold it against what
 a run on the reader's machine holds and sends, and against published runs (notebook 10).
 
-Imports the standard library and config.py (the recipe's one model config and layout) at module level, the
-recipe's hardware.py (its datasheet table, torch-free) where a time is asked for, and torch only in
-`count_parameters`: copy it with the recipe.
+The sections, in the order a plan is made (each opens with a line `# --- N. name`); context parallelism (--cp) and
+experts (--moe-experts, --ep) sit in the sections they extend:
+1. the GPUs and their rates: `GPUS`, `gpu_rates`;
+2. model state: `parameter_shapes`, `model_state` (FSDP2's padding, experts held whole under ep);
+3. activations: `layer_activations` (the ring's and the experts' terms), `selective_block`, `activations`;
+4. the memory a GPU reports: `memory` (allocated by phase, reserved), `allocator_overhead`;
+5. communication: `communication` (FSDP2, DDP, tensor parallel, the cp ring, the experts' all-to-alls);
+6. time: `step_time` (matmuls by shape, attention or the ring, experts, elementwise traffic, collectives);
+7. the plan and the search: `plan`, `check_layout`, `fitting_layouts`;
+8. the command line: `torchrun_command`, `describe`, `main`.
+
+What the recipe takes and refuses, and what a model counts, is its job spec's (job.py: the flags, the rules, the
+parameter and FLOP counts), imported here, so a plan is checked by the rules train.py runs and printed with its flags.
+Imports the standard library, config.py and job.py (both torch-free; their names a notebook needs, such as
+`preset` and `Layout`, are reachable here too), the recipe's hardware.py where a time is asked for, and torch only
+in `count_parameters`: copy it with the recipe.
 Conventions:
 - bytes are per rank; "held" counts the rank's own elements (a DTensor's local shard), "allocated" the storages
   behind them (FSDP2 keeps parameters and gradients in buffers padded to ceil(dim0 / N) rows on every rank);
@@ -37,19 +50,22 @@ Conventions:
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
+import json
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from config import MESH_DIMS, PRESETS, LlamaArgs, Layout, preset, stage_layers
+from config import MESH_DIMS, LlamaArgs, Layout, config_from_hf, stage_layers
+from config import PRESETS, preset  # noqa: F401 (not used here: a notebook's P.preset(...), P.PRESETS)
+from job import (CHECKPOINTING, Job, ParallelDims, active_parameter_count, argv, at_least, flops_per_token,
+                 model_flags, model_shape, parameter_count, parser)
 
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-fsdp")
 OPTIMIZERS = {"adamw": 2, "sgd": 1}   # fp32 state tensors per parameter: Adam's two moments; SGD's momentum buffer
-CHECKPOINTING = ("none", "selective", "full", "alternate")   # the recipe's --ac
 # torchtitan's per-op policy: like the recipe's "selective" (keep matmul and attention outputs, recompute the rest),
 # but every second matmul of a block is recomputed too, and a reduce-scatter's output is kept
 TORCHTITAN_SELECTIVE = "selective-torchtitan"
@@ -61,7 +77,8 @@ class Training:
     """What one optimizer step does on every data-parallel rank, and how. `compile`: each block torch.compile'd
     (the recipe's default on GPUs); `fused_rms_norm`: CUDA's rms_norm is one kernel, torch 2.13's CPU path composes
     it (see `layer_activations`). The recipe's --cp, --moe-experts, --moe-top-k and --ep are here, not in the
-    Layout: their ranks are some of dp_shard's, and Layout keeps the mesh's four dimensions (config.py)."""
+    Layout: cp's and ep's ranks are some of dp_shard's (job.ParallelDims), and Layout keeps the mesh's four
+    dimensions (config.py). What the recipe refuses of them is job.py's rules (`check_layout`)."""
 
     seq_len: int = 1024
     batch_size: int = 8          # sequences per micro-batch per data-parallel rank
@@ -77,14 +94,7 @@ class Training:
     ep: int = 1                  # the experts sharded over ep consecutive dp_shard ranks
 
     def __post_init__(self):
-        if min(self.cp, self.ep, self.moe_top_k) < 1 or self.moe_experts < 0:
-            raise ValueError(f"cp {self.cp}, ep {self.ep} and moe_top_k {self.moe_top_k} must be at least 1, "
-                             f"moe_experts {self.moe_experts} at least 0")
-        if self.moe_experts and (self.moe_top_k > self.moe_experts or self.moe_experts % self.ep):
-            raise ValueError(f"moe_top_k {self.moe_top_k} must be at most moe_experts {self.moe_experts}, and ep "
-                             f"{self.ep} must divide them")
-        if self.ep > 1 and not self.moe_experts:
-            raise ValueError(f"ep {self.ep} shards experts: give moe_experts")
+        at_least({"cp": self.cp, "ep": self.ep, "moe_experts": self.moe_experts, "moe_top_k": self.moe_top_k})
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, not {self.optimizer!r}")
         if self.precision not in PRECISIONS:
@@ -221,19 +231,6 @@ def parameter_shapes(cfg: LlamaArgs, experts: int = 0) -> list[tuple[str, tuple[
     """
     first, last = _ends(cfg)
     return first + [s for i in range(cfg.n_layers) for s in _block_shapes(cfg, i, experts)] + last
-
-
-def parameter_count(cfg: LlamaArgs, experts: int = 0) -> int:
-    """Every parameter, summed from the shapes (config.LlamaArgs.num_params gives the same by formula, dense)."""
-    return sum(math.prod(shape) for _, shape, _ in parameter_shapes(cfg, experts))
-
-
-def active_parameter_count(cfg: LlamaArgs, experts: int = 0, top_k: int = 1) -> int:
-    """The parameters one token meets: every one of a dense model; with MoE the router and top_k of the experts in
-    each block (what FLOPs, and so MFU, count), not all of them."""
-    if not experts:
-        return parameter_count(cfg)
-    return parameter_count(cfg) + cfg.n_layers * (experts * cfg.dim + (top_k - 1) * 3 * cfg.dim * cfg.hidden)
 
 
 def count_parameters(build_model) -> int:
@@ -1051,13 +1048,6 @@ def step_time(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates, ran
             "rates": rates.sources}
 
 
-def flops_per_token(cfg: LlamaArgs, train: Training) -> float:
-    """Training FLOPs per token as config.LlamaArgs.flops_per_token counts them (6 per matmul weight, the attention
-    scores uncounted for causality), with an MoE's active weights (`active_parameter_count`)."""
-    extra = active_parameter_count(cfg, train.moe_experts, train.moe_top_k) - parameter_count(cfg)
-    return cfg.flops_per_token(train.seq_len) + 6 * extra
-
-
 # ------------------------------------------------------------------------------------------- 7. the plan and the search
 
 ASSUMPTIONS = (
@@ -1108,47 +1098,32 @@ class Plan:
 
 
 def data_ranks(layout: Layout, train: Training) -> int:
-    """The ranks that read different batches: the data-parallel ones, cp of which share each batch."""
-    return layout.dp // train.cp
+    """The ranks that read different batches (job.ParallelDims.data_ranks: cp of the data-parallel ranks share one)."""
+    return ParallelDims(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, train.cp, train.ep).data_ranks
 
 
-def check_context_and_experts(train: Training, layout: Layout) -> None:
-    """ValueError (one line) where the recipe refuses --cp or --moe-experts/--ep (train.check_context_parallel
-    and its MoE checks): their ranks come out of dp_shard's; neither is built beside tp or pp, nor MoE beside cp;
-    the ring cuts each sequence into 2 x cp chunks and stops torch.compile at its sends."""
-    for flag, n in (("--cp", train.cp), ("--ep", train.ep)):
-        if layout.dp_shard % n:
-            raise ValueError(f"{flag} {n} ranks are taken out of --dp-shard {layout.dp_shard}: it must divide it")
-    if train.cp > 1 and (layout.tp > 1 or layout.pp > 1):
-        raise ValueError("--cp with --tp or --pp: not built in this recipe (context parallel over data parallel only)")
-    if train.seq_len % (2 * train.cp):
-        raise ValueError(f"--cp {train.cp} cuts each sequence into {2 * train.cp} equal chunks: --seq-len "
-                         f"{train.seq_len} does not divide")
-    if train.cp > 1 and train.compile:
-        raise ValueError("--cp: torch.compile does not compile the ring's point-to-point sends: add --no-compile")
-    if train.moe_experts and (layout.tp > 1 or layout.pp > 1 or train.cp > 1):
-        raise ValueError("--moe-experts with --tp, --pp or --cp: not built in this recipe (experts over data "
-                         "parallel only)")
-    if train.moe_experts and train.compile:
-        raise ValueError("--moe-experts: torch.compile stops at the router's data-dependent row counts, not built "
-                         "here: add --no-compile")
+def recipe_flags(train: Training, layout: Layout) -> dict:
+    """train.py's flags (job.FLAGS' names) for a plan's layout and step, those at their default left out; with the
+    model's (job.model_flags) they are the torchrun line that runs the plan, and without them the recipe's Job that
+    `check_layout` checks."""
+    used = {k: v for k, v in (("cp", train.cp), ("ep", train.ep)) if v > 1}
+    if train.moe_experts:
+        used.update(moe_experts=train.moe_experts, moe_top_k=train.moe_top_k)
+    return {"seq_len": train.seq_len, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
+            "tp": layout.tp, "pp": layout.pp, **used, "accum": train.grad_accum,
+            "batch": train.batch_size * data_ranks(layout, train) * train.grad_accum,
+            "dtype": "fp32" if train.precision == "fp32" else "bf16", "ac": train.checkpointing,
+            "compile": train.compile}
 
 
 def check_layout(cfg: LlamaArgs, train: Training, layout: Layout) -> None:
-    """ValueError (one line) for a layout the recipe refuses: config.Layout.check (tp must divide the heads, the
-    key/value heads, the vocabulary and the sequence; pp at most the layers; no pipelined tied output), and what
-    train.parse_args adds: 1F1B needs as many micro-batches as stages; the model is as long as its sequences;
-    what it refuses of --cp and --moe-experts, --ep (`check_context_and_experts`)."""
-    layout.check(None, cfg, train.seq_len)
-    if layout.pp > 1 and train.grad_accum < layout.pp:
-        raise ValueError(f"pipelining over {layout.pp} stages needs at least as many micro-batches "
-                         f"(grad_accum={train.grad_accum})")
-    if train.seq_len > cfg.max_seq_len:
-        raise ValueError(f"seq_len {train.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    """ValueError (one line) for a plan the recipe refuses: every rule of its spec (job.RULES: the mesh against the
+    model, the 1F1B schedule's micro-batches, --cp's and --moe-experts' limits, ...) on the recipe's Job of this
+    plan, as train.py runs them at its start; and the planner's own: bf16-fsdp is FSDP2's policy."""
     if train.precision == "bf16-fsdp" and not layout.fsdp:
         raise ValueError(f"precision bf16-fsdp needs FSDP2, which {layout_name(layout)} does not apply (use "
                          "bf16-autocast)")
-    check_context_and_experts(train, layout)
+    Job(**recipe_flags(train, layout), model_config=cfg).check()
 
 
 def plan(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates | None = None,
@@ -1172,7 +1147,8 @@ def plan(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates | None = 
         if gpu:
             device = GPUS[gpu] if isinstance(gpu, str) else gpu
             peak = datasheet_flops(device.device, "fp32" if train.precision == "fp32" else "bf16")[0]
-            time["mfu"] = time["tokens_per_s_per_gpu"] * flops_per_token(cfg, train) / peak
+            flops = flops_per_token(cfg, train.seq_len, train.moe_experts, train.moe_top_k)
+            time["mfu"] = time["tokens_per_s_per_gpu"] * flops / peak
     return Plan(cfg, train, layout, rows, communication(cfg, train, layout, 0), time, gpu)
 
 
@@ -1229,41 +1205,16 @@ def fitting_layouts(cfg: LlamaArgs, gpus: int, gpu: str | GPU, rates: Rates | No
 
 # -------------------------------------------------------------------------------------------------- 8. the command line
 
-SHAPE_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "tie_embeddings")   # train.py's
-
-
-def model_flags(cfg: LlamaArgs, init_from: str | None = None) -> dict:
-    """The recipe's flags that build `cfg` (its max_seq_len is --seq-len's): --init-from a Hugging Face folder, or
-    the first preset whose other fields are cfg's, with the shape flags that differ from it. ValueError where no
-    preset and flags make it (an feed-forward width of its own, another rope: only --init-from can)."""
-    if init_from:
-        return {"init-from": init_from}
-    for name, fields in PRESETS.items():
-        base = preset(name, max_seq_len=cfg.max_seq_len, **{k: getattr(cfg, k) for k in SHAPE_FLAGS})
-        if base == cfg:
-            flags = {"model": name}
-            for key in SHAPE_FLAGS:
-                default = getattr(LlamaArgs(**fields), key)
-                if getattr(cfg, key) != default or (key == "vocab_size" and "vocab_size" not in fields):
-                    flags[key.replace("_", "-")] = getattr(cfg, key)
-            if flags.pop("tie-embeddings", None):
-                flags["tie-embeddings"] = ""
-            return flags
-    raise ValueError("no preset of config.py with the recipe's shape flags makes this model (its feed-forward width "
-                     "or rotary settings are its own): train it with --init-from a Hugging Face folder")
-
-
 def torchrun_command(cfg: LlamaArgs, train: Training, layout: Layout, script: str = "scripts/train/train.py",
                      nodes: int = 1, init_from: str | None = None, **extra) -> str:
     """The recipe's command line for this plan: one node with --standalone, several with c10d rendezvous
-    (HOST:29500 stands for the first node's address). `extra` adds flags (`steps=100` gives --steps 100). --cp,
-    --moe-experts, --moe-top-k and --ep appear where the plan uses them."""
+    (HOST:29500 stands for the first node's address); its flags are job.argv's, the model's (job.model_flags) and
+    the plan's (`recipe_flags`). `extra` adds flags by name (`steps=100` gives --steps 100)."""
     if train.optimizer != "adamw":
         raise ValueError("the recipe trains with AdamW")
-    if train.checkpointing not in CHECKPOINTING:
-        raise ValueError(f"the recipe's --ac is one of {CHECKPOINTING}, not {train.checkpointing!r}")
-    if cfg.max_seq_len != train.seq_len:
-        raise ValueError(f"the recipe's model is as long as its sequences: max_seq_len {cfg.max_seq_len}, seq_len "
+    values = {**model_flags(cfg, init_from), **recipe_flags(train, layout), **extra}
+    if not init_from and model_shape(values)[0] != cfg:
+        raise ValueError(f"the recipe's preset is as long as its sequences: max_seq_len {cfg.max_seq_len}, seq_len "
                          f"{train.seq_len}")
     per_node = layout.world // nodes
     if nodes == 1:
@@ -1271,15 +1222,7 @@ def torchrun_command(cfg: LlamaArgs, train: Training, layout: Layout, script: st
     else:
         head = (f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d "
                 "--rdzv-endpoint=HOST:29500 --rdzv-id=plan")
-    parallel = {"cp": train.cp, "moe-experts": train.moe_experts, "moe-top-k": train.moe_top_k, "ep": train.ep}
-    flags = {**model_flags(cfg, init_from), "seq-len": train.seq_len, "dp-replicate": layout.dp_replicate,
-             "dp-shard": layout.dp_shard, "tp": layout.tp, "pp": layout.pp,
-             **{k: v for k, v in parallel.items() if (v > 1 if k == "cp" else train.moe_experts)},
-             "batch": train.batch_size * data_ranks(layout, train) * train.grad_accum, "accum": train.grad_accum,
-             "dtype": "fp32" if train.precision == "fp32" else "bf16", "ac": train.checkpointing,
-             ("compile" if train.compile else "no-compile"): ""}
-    flags.update({k.replace("_", "-"): v for k, v in extra.items()})
-    return head + " " + script + "".join(f" --{k} {v}".rstrip() for k, v in flags.items())
+    return " ".join([head, script, *argv(values)])
 
 
 def _size(nbytes: float) -> str:
@@ -1326,131 +1269,65 @@ def replace(obj, **changes):
     return dataclasses.replace(obj, **changes)
 
 
-class Parser(argparse.ArgumentParser):
-    """Bad input: one line on stderr, exit status 2 (argparse's own error prints the whole usage first)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def build_parser() -> Parser:
-    p = Parser(prog="plan.py", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter,
-               epilog="Not planned (asked for, it is refused with a line that says so): float8 (--float8).")
-    g = p.add_argument_group("model (train.py's flags)")
-    g.add_argument("--model", choices=sorted(PRESETS), help="a named shape (config.py's PRESETS)")
-    g.add_argument("--hf-config", help="a Hugging Face Llama's config.json instead (the torchrun line then uses "
-                   "--init-from its folder)")
-    g.add_argument("--dim", type=int)
-    g.add_argument("--n-layers", type=int)
-    g.add_argument("--n-heads", type=int)
-    g.add_argument("--n-kv-heads", type=int)
-    g.add_argument("--vocab-size", type=int)
-    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction)
-    g = p.add_argument_group("the run")
-    g.add_argument("--gpus", type=int, required=True, help="how many GPUs")
-    g.add_argument("--gpu", choices=sorted(GPUS), default="H100-80GB")
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
-    g.add_argument("--batch", type=int, help="global batch in sequences per step (default: one per GPU)")
-    g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per data-parallel rank")
-    g.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    g.add_argument("--ac", nargs="+", choices=CHECKPOINTING, default=list(CHECKPOINTING),
-                   help="checkpointing modes to try (default: all)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile each block, as the "
-                   "recipe does on GPUs (default, but not with --cp or --moe-experts, which the recipe runs eager)")
-    g.add_argument("--dp-replicate", type=int, help="fix dp_replicate (default: try every degree)")
-    g.add_argument("--dp-shard", type=int, help="fix dp_shard (default: try every degree)")
-    g.add_argument("--tp", type=int, help="fix tp (default: every degree within a node)")
-    g.add_argument("--pp", type=int, help="fix pp (default: try every degree)")
-    g.add_argument("--matmul-tflops", type=float, help="your GPU's large bf16 matmul rate (notebook 05 measures it; "
-                   "default: the datasheet x the H200's measured share)")
-    g.add_argument("--top", type=int, default=8, help="layouts to print")
-    g.add_argument("--cp", type=int, default=1, help="context parallel: each sequence split over this many of the "
-                   "dp_shard ranks (ring attention)")
-    g.add_argument("--moe-experts", type=int, default=0, help="every feed-forward a mixture of this many experts")
-    g.add_argument("--moe-top-k", type=int, default=2, help="experts per token (with --moe-experts)")
-    g.add_argument("--ep", type=int, default=1, help="expert parallel: the experts sharded over this many of the "
-                   "dp_shard ranks")
-    g.add_argument("--float8", action="store_true", help=argparse.SUPPRESS)
-    return p
-
-
-def model_from_args(args, parser) -> tuple[LlamaArgs, str | None]:
-    """The model the flags describe, and the --init-from folder for the torchrun line (with --hf-config)."""
-    import json
-    from pathlib import Path
-
-    from config import config_from_hf
-
-    shape = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
-    try:
-        if args.hf_config:
-            cfg = config_from_hf(json.loads(Path(args.hf_config).read_text()))
-            cfg = dataclasses.replace(cfg, **shape)
-            init_from = str(Path(args.hf_config).parent)
-        elif args.model:
-            cfg, init_from = preset(args.model, **shape), None
-        else:
-            parser.error("give --model (a preset) or --hf-config (a config.json)")
-        seq_len = args.seq_len or cfg.max_seq_len
-        cfg = dataclasses.replace(cfg, max_seq_len=seq_len)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        parser.error(str(e).splitlines()[0] if str(e) else repr(e))
-    return cfg, init_from
-
-
-def parallel_from_args(args, parser, cfg: LlamaArgs, fixed: dict) -> dict:
-    """Training's cp, moe_experts, moe_top_k, ep and compile from the flags (compile by default, but not with --cp
-    or --moe-experts), refused in one line where the recipe would refuse them at the fixed degrees."""
-    eager = args.cp > 1 or bool(args.moe_experts)
-    chosen = {"cp": args.cp, "moe_experts": args.moe_experts, "moe_top_k": args.moe_top_k, "ep": args.ep,
-              "compile": not eager if args.compile is None else args.compile}
-
-    try:
-        probe = Training(seq_len=cfg.max_seq_len, **chosen)
-        check_context_and_experts(probe, Layout(dp_shard=fixed.get("dp_shard", math.lcm(args.cp, args.ep)),
-                                                tp=fixed.get("tp", 1), pp=fixed.get("pp", 1)))
-    except ValueError as e:
-        parser.error(str(e))
-    return chosen
+def model_of(args) -> tuple[LlamaArgs, int]:
+    """(the model, the sequence length) of plan.py's flags, as train.py makes them (job.model_shape): --model's
+    preset with the shape flags, or --init-from's config.json. ValueError, one line."""
+    if args.init_from:
+        try:
+            hf = config_from_hf(json.loads((Path(args.init_from) / "config.json").read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--init-from {args.init_from}: {str(e).splitlines()[0] if str(e) else repr(e)}")
+        return model_shape(vars(args), hf)
+    if not args.model:
+        raise ValueError("give --model (a preset) or --init-from (a Hugging Face folder)")
+    return model_shape(vars(args))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.float8:
-        parser.error("not planned: float8 (--float8) (the recipe has none; see ASSUMPTIONS)")
-    for key in ("gpus", "micro_batch", "batch", "seq_len", "top", "dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
-        if getattr(args, key) is not None and getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
-    cfg, init_from = model_from_args(args, parser)
-    batch = args.batch or args.gpus
-    fixed = {k: getattr(args, k) for k in ("dp_replicate", "dp_shard", "tp", "pp") if getattr(args, k)}
-    if fixed:
-        try:
-            Layout(**fixed).check(None, cfg, cfg.max_seq_len)
-        except ValueError as e:
-            parser.error(str(e))
-        if args.gpus % math.prod(fixed.values()):
-            parser.error(f"the fixed degrees ({math.prod(fixed.values())} GPUs) do not divide --gpus {args.gpus}")
-    parallel = parallel_from_args(args, parser, cfg, fixed)
-    gpu = GPUS[args.gpu]
+    p = parser("plan", __doc__.split("\n\n")[0], choices={"gpu": sorted(GPUS)},
+                     epilog="Not planned (asked for, it is refused with a line that says so): float8 (--float8).")
+    args = p.parse_args(argv)
+    fixed = {k: getattr(args, k) for k in MESH_DIMS if getattr(args, k)}
+    compiled = not (args.cp > 1 or args.moe_experts) if args.compile is None else args.compile  # ring, experts: eager
+    try:
+        if args.float8:
+            raise ValueError("not planned: float8 (--float8) (the recipe has none; see ASSUMPTIONS)")
+        at_least(vars(args))
+        cfg, seq_len = model_of(args)
+        # the recipe's rules at the fixed degrees, the rest at 1 (cp and ep out of the smallest dp_shard they fit)
+        dims = ParallelDims(fixed.get("dp_replicate", 1), fixed.get("dp_shard", math.lcm(args.cp, args.ep)),
+                            fixed.get("tp", 1), fixed.get("pp", 1), args.cp, args.ep)
+        Job(**dataclasses.asdict(dims), model_config=cfg, init_from=args.init_from, seq_len=seq_len,
+            moe_experts=args.moe_experts, moe_top_k=args.moe_top_k, compile=compiled, accum=dims.pp,
+            batch=dims.data_ranks * dims.pp).check()
+    except ValueError as e:
+        p.error(str(e))
+    if fixed and args.gpus % math.prod(fixed.values()):
+        p.error(f"the fixed degrees ({math.prod(fixed.values())} GPUs) do not divide --gpus {args.gpus}")
+    batch, gpu = args.batch or args.gpus, GPUS[args.gpu]
     rates = gpu_rates(gpu, args.dtype, args.matmul_tflops * 1e12 if args.matmul_tflops else None)
     dp_options = {l.dp // args.cp for l in layouts(args.gpus) if all(getattr(l, k) == v for k, v in fixed.items())
                   and l.dp_shard % math.lcm(args.cp, args.ep) == 0}
     if not dp_options:
-        parser.error(f"--cp {args.cp} and --ep {args.ep} divide no --dp-shard of a layout of {args.gpus} GPUs")
+        p.error(f"--cp {args.cp} and --ep {args.ep} divide no --dp-shard of a layout of {args.gpus} GPUs")
     if not any(batch % (args.micro_batch * dp) == 0 for dp in dp_options):
-        parser.error(f"--batch {batch} does not split into micro-batches of {args.micro_batch} over the "
-                     f"data-parallel ranks of any layout of {args.gpus} GPUs ({sorted(dp_options)})")
-    fits = fitting_layouts(cfg, args.gpus, args.gpu, rates, seq_len=cfg.max_seq_len, global_batch=batch,
-                           batch_size=args.micro_batch, dtype=args.dtype, checkpointing=tuple(args.ac),
-                           fixed=fixed, **parallel)
+        p.error(f"--batch {batch} does not split into micro-batches of {args.micro_batch} over the "
+                      f"data-parallel ranks of any layout of {args.gpus} GPUs ({sorted(dp_options)})")
+    fits = fitting_layouts(cfg, args.gpus, args.gpu, rates, seq_len=seq_len, global_batch=batch,
+                           batch_size=args.micro_batch, dtype=args.dtype, checkpointing=tuple(args.ac), fixed=fixed,
+                           compile=compiled, cp=args.cp, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+                           ep=args.ep)
+    print_plans(cfg, args, seq_len, batch, gpu, rates, fits)
+
+
+def print_plans(cfg: LlamaArgs, args, seq_len: int, batch: int, gpu: GPU, rates: Rates, fits: list) -> None:
+    """main's report: the model and its counts, the rates and the allocator's model, the layouts that fit (fastest
+    first) with their collectives, and the torchrun line of the best; exit status 1 where none fits."""
     e, k = args.moe_experts, args.moe_top_k
     print(f"{parameter_count(cfg, e) / 1e9:.2f}B parameters"
           + (f" ({active_parameter_count(cfg, e, k) / 1e9:.2f}B active: {k} of {e} experts)" if e else "")
           + f" ({cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_heads} heads, "
-          f"{cfg.n_kv_heads} key/value heads, vocabulary {cfg.vocab_size}); {batch} sequences of {cfg.max_seq_len} "
+          f"{cfg.n_kv_heads} key/value heads, vocabulary {cfg.vocab_size}); {batch} sequences of {seq_len} "
           f"tokens per step on {args.gpus} x {args.gpu} ({gpu.memory / GIB:.2f} GiB each, "
           f"{NON_TORCH_BYTES / GIB:.0f} GiB of it kept for CUDA and NCCL)")
     print("rates: " + "; ".join(rates.sources))
@@ -1470,7 +1347,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{t['seconds']:>7.3f} {t['tokens_per_s_per_gpu']:>9,.0f} {t['mfu']:>6.1%}")
         print(f"{'':>8}collectives per step (rank 0, per call x calls): {collectives_line(p.communication)}")
     nodes = args.gpus // gpu.gpus_per_node if args.gpus > gpu.gpus_per_node and not args.gpus % gpu.gpus_per_node else 1
-    print("the best, as the recipe runs it:\n$ " + fits[0].command(nodes=nodes, init_from=init_from))
+    print("the best, as the recipe runs it:\n$ " + fits[0].command(nodes=nodes, init_from=args.init_from))
 
 if __name__ == "__main__":
     main()

@@ -35,16 +35,17 @@ from pathlib import Path
 
 import checkpoint
 import data as tokens
+from job import argv
 
 HERE = Path(checkpoint.__file__).resolve().parent      # this folder: train.py and the modules it imports
 LOSS_RTOL = 1e-5          # a layout against one process: float32 rounding, grown by a few Adam steps
-TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "16", "--batch", "8",
-        "--steps", "4", "--log-every", "2", "--eval-windows", "32", "--dtype", "fp32", "--no-compile"]
+TINY = argv(dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16, batch=8, steps=4, log_every=2,
+                 eval_windows=32, dtype="fp32", compile=False))       # every run's shape: job.py's flags
 RUN_TIMEOUT_S = 600
 
 
 @dataclass
-class Job:
+class Run:
     """One command in the work folder: train.py (or `args[0]` when it names a .py file) under torchrun with `nproc`
     ranks, or plain python (None), after the jobs in `after`; `before(workdir)` runs first; `metrics`: the
     --metrics file's stem (default: the job's name; two jobs may share one)."""
@@ -75,13 +76,13 @@ class Result:
         return next((m["eval_loss"] for m in self.metrics if m.get("final")), None)
 
 
-def run_jobs(workdir: Path, env: dict, jobs: list[Job], parallel: int = 2, data: list[str] = ()) -> dict:
+def run_jobs(workdir: Path, env: dict, jobs: list[Run], parallel: int = 2, data: list[str] = ()) -> dict:
     """Run `jobs` (`parallel` at a time, each after its dependencies) in `workdir`; their results by name. A
     torchrun job gets `--data` and the tiny shape first, then its own flags (which win)."""
     done = {job.name: threading.Event() for job in jobs}
     results: dict[str, Result] = {}
 
-    def run(job: Job) -> None:
+    def run(job: Run) -> None:
         try:
             for name in job.after:
                 done[name].wait()
@@ -113,23 +114,23 @@ def run_jobs(workdir: Path, env: dict, jobs: list[Job], parallel: int = 2, data:
 
 
 def copy_checkpoint(source: str, step: int, target: str):
-    """A Job's `before`: one committed checkpoint of `source` into the --ckpt-dir `target`."""
+    """A Run's `before`: one committed checkpoint of `source` into the --ckpt-dir `target`."""
     def copy(workdir: Path) -> None:
         shutil.copytree(workdir / source / f"step_{step:08d}", workdir / target / f"step_{step:08d}")
     return copy
 
 
-def jobs() -> list[Job]:
+def jobs() -> list[Run]:
     """The runs the checks read."""
     return [
-        Job("one", [], 1),
-        Job("fsdp", ["--ckpt-dir", "ck_fsdp", "--save-every", "2", "--eval-every", "2", "--async-save",
+        Run("one", [], 1),
+        Run("fsdp", ["--ckpt-dir", "ck_fsdp", "--save-every", "2", "--eval-every", "2", "--async-save",
                      "--export", "live.pt"], 2),
-        Job("tp", ["--tp", "2"], 2),
-        Job("pp", ["--pp", "2", "--accum", "2"], 2),
-        Job("crash", ["--ckpt-dir", "ck_crash", "--save-every", "2", "--crash-at", "3"], 2),
-        Job("resumed", ["--ckpt-dir", "ck_crash", "--save-every", "2"], 2, after=("crash",), metrics="crash"),
-        Job("resharded", ["--ckpt-dir", "ck_reshard", "--pp", "2", "--accum", "2"], 2, after=("fsdp",),
+        Run("tp", ["--tp", "2"], 2),
+        Run("pp", ["--pp", "2", "--accum", "2"], 2),
+        Run("crash", ["--ckpt-dir", "ck_crash", "--save-every", "2", "--crash-at", "3"], 2),
+        Run("resumed", ["--ckpt-dir", "ck_crash", "--save-every", "2"], 2, after=("crash",), metrics="crash"),
+        Run("resharded", ["--ckpt-dir", "ck_reshard", "--pp", "2", "--accum", "2"], 2, after=("fsdp",),
             before=copy_checkpoint("ck_fsdp", 2, "ck_reshard")),
     ]
 

@@ -370,10 +370,11 @@ def test_the_command_line_prints_help():
     (("--model", "llama3-8b", "--gpus", "8", "--batch", "7", "--micro-batch", "2"), "--batch 7 does not split"),
     (("--model", "llama3-8b", "--gpus", "8", "--cp", "2", "--tp", "2"), "--cp with --tp or --pp"),
     (("--model", "llama3-8b", "--gpus", "8", "--cp", "2", "--compile"), "add --no-compile"),
-    (("--model", "llama3-8b", "--gpus", "8", "--moe-experts", "6", "--ep", "4"), "must divide them"),
+    (("--model", "llama3-8b", "--gpus", "8", "--moe-experts", "6", "--ep", "4"), "must divide both"),
     (("--model", "llama3-8b", "--gpus", "8", "--cp", "3", "--seq-len", "12288"), "divide no --dp-shard"),
     (("--model", "llama3-8b", "--gpus", "8", "--float8"), "not planned: float8"),
     (("--gpus", "8",), "give --model"),
+    (("--init-from", "no_such_folder", "--gpus", "8"), "--init-from no_such_folder: "),
     (("--model", "llama3-8b", "--gpus", "0"), "--gpus must be at least 1"),
 ])
 def test_bad_input_gets_one_line_and_exit_status_2(argv, says):
@@ -396,8 +397,7 @@ def test_llama3_70b_on_256_h100s_prints_layouts_and_a_line_the_recipe_accepts(mo
     monkeypatch.setattr(recipe, "uses_gpu", lambda: False)    # the flags are checked alike on any machine
     args = recipe.parse_args(flags)              # exits with status 2 on any flag the recipe refuses
     assert args.model_config == preset("llama3-70b", max_seq_len=8192)
-    layout = recipe.layout(args)
-    assert layout.world == 256 and args.batch == 256 and args.seq_len == 8192
+    assert args.dims.world == 256 and args.batch == 256 and args.seq_len == 8192
 
 
 # ----------------------------------------------------------------------------------------------- published runs

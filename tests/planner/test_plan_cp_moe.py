@@ -44,7 +44,8 @@ def test_moe_parameters_are_the_models_and_a_token_meets_k_experts():
     total, active = P.parameter_count(CFG, EXPERTS), P.active_parameter_count(CFG, EXPERTS, TOP_K)
     assert total - active == CFG.n_layers * (EXPERTS - TOP_K) * ffn, "the experts a token skips"
     train = P.Training(seq_len=32, moe_experts=EXPERTS, moe_top_k=TOP_K)
-    assert P.flops_per_token(CFG, train) - CFG.flops_per_token(32) == 6 * (active - P.parameter_count(CFG))
+    assert P.flops_per_token(CFG, 32, EXPERTS, TOP_K) - CFG.flops_per_token(32) == \
+        6 * (active - P.parameter_count(CFG)), "6 FLOPs per weight a token meets"
 
 
 def test_context_parallel_divides_the_tokens_and_keeps_the_model_state():
@@ -88,7 +89,7 @@ def test_even_routing_all_to_all_bytes_and_what_leaves_a_rank():
     (P.Training(seq_len=60, cp=4), P.Layout(dp_shard=4), "8 equal chunks: --seq-len 60"),
     (P.Training(seq_len=64, cp=2, compile=True), P.Layout(dp_shard=2), "add --no-compile"),
     (P.Training(seq_len=64, cp=4), P.Layout(dp_shard=2), "--cp 4 ranks are taken out of --dp-shard 2"),
-    (P.Training(seq_len=64, moe_experts=4, ep=4), P.Layout(dp_shard=2), "--ep 4 ranks are taken out"),
+    (P.Training(seq_len=64, moe_experts=4, ep=4), P.Layout(dp_shard=2), "--ep 4 ranks come out of --dp-shard 2"),
     (P.Training(seq_len=64, moe_experts=4, cp=2), P.Layout(dp_shard=2), "--moe-experts with --tp, --pp or --cp"),
     (P.Training(seq_len=64, moe_experts=4), P.Layout(pp=2), "--moe-experts with --tp, --pp or --cp"),
 ])
@@ -99,10 +100,13 @@ def test_what_the_recipe_refuses_is_refused_in_one_line(train, layout, says):
 
 
 def test_bad_expert_settings_are_refused():
-    for bad, says in ((dict(ep=2), "give moe_experts"), (dict(moe_experts=4, moe_top_k=5), "at most moe_experts"),
-                      (dict(moe_experts=6, ep=4), "must divide them"), (dict(cp=0), "at least 1")):
+    for bad, layout, says in ((dict(ep=2), P.Layout(dp_shard=2), "--ep 2 shares out experts"),
+                              (dict(moe_experts=4, moe_top_k=5), P.Layout(), "--moe-top-k 5 must be between 1 and"),
+                              (dict(moe_experts=6, ep=4), P.Layout(dp_shard=4), "must divide both")):
         with pytest.raises(ValueError, match=says):
-            P.Training(**bad)
+            P.check_layout(P.replace(CFG, max_seq_len=64), P.Training(seq_len=64, **bad), layout)
+    with pytest.raises(ValueError, match="--cp must be at least 1, got 0"):
+        P.Training(cp=0)
 
 
 def test_the_command_line_plans_cp_and_experts_as_the_recipe_runs_them(capsys, monkeypatch):
@@ -116,7 +120,7 @@ def test_the_command_line_plans_cp_and_experts_as_the_recipe_runs_them(capsys, m
         command = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("$ torchrun"))
         assert wanted in command and "--no-compile" in command, "the recipe runs the ring and the experts eager"
         args = recipe.parse_args(command.split("scripts/train/train.py", 1)[1].split())
-        assert args.batch == 8 and recipe.layout(args).world == 8
+        assert args.batch == 8 and args.dims.world == 8
 
 
 # ------------------------------------------------------------------------------------------- one process, MoE
@@ -338,20 +342,3 @@ def test_ring_and_experts_keep_and_send_what_the_plan_says_on_two_ranks():
         _expert_checks(results, checkpointing)
     for kind in ("cp", "ep"):
         _fsdp_checks(results, kind)
-
-
-@pytest.mark.parametrize("experts, top_k", [(4, 1), (8, 2), (16, 4)])
-def test_the_recipes_expert_counts_are_the_planners(experts, top_k):
-    """train.py (notebook 09) counts an MoE's parameters for its log line and its active FLOPs for MFU; plan.py
-    (notebook 10, torch-free, so it cannot import train.py) counts them from the shapes. Two writers by course order:
-    held equal here, for the dense model too."""
-    import argparse
-
-    import train as recipe
-
-    cfg = preset("small")
-    for e, k in ((0, 2), (experts, top_k)):
-        args = argparse.Namespace(moe_experts=e, moe_top_k=k)
-        assert recipe.parameter_count(cfg, args) == P.parameter_count(cfg, e)
-        assert cfg.flops_per_token(1024) + recipe.moe_extra_flops(cfg, args) == \
-            P.flops_per_token(cfg, P.Training(seq_len=1024, moe_experts=e, moe_top_k=k))

@@ -52,15 +52,15 @@ def _load_and_predict(folder, flags):
     def body(device):
         trainer = train.Trainer(train.parse_args(flags), device)
         dcp.load({"train": trainer.state}, checkpoint_id=folder)
-        window = data.TokenWindows([data.load_tokens(p, "eval") for p in trainer.data_paths],
-                                   trainer.args.seq_len)[0][0]
+        window = data.TokenWindows([data.load_tokens(p, "eval") for p in trainer.data.paths],
+                                   trainer.job.seq_len)[0][0]
         with torch.no_grad():
             logits = trainer.model(window[None].to(device)).cpu()
-        if trainer.fsdp:
+        if trainer.job.dims.fsdp:
             trainer.model.reshard()
         params = {k: train.plain(v).cpu() for k, v in trainer.model.state_dict().items()}
         return {"params": params, "logits": logits, "step": trainer.state.step,
-                "next": next(iter(trainer.loader))[0], "rng_restored": train.ckpt.load_rng(folder)}
+                "next": next(iter(trainer.data.loader))[0], "rng_restored": train.ckpt.load_rng(folder)}
 
     return train.run_distributed(body)
 

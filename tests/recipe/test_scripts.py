@@ -117,11 +117,23 @@ def test_a_script_runs_cleanly_under_torchrun_without_helpers_every_time(name: s
 
 def _flags(script: Path) -> set[str]:
     """The options a script's argparse defines: every `add_argument("--name", ...)` (read, not run: starting each
-    script only to print --help cost a torch import apiece, over a minute in all on two cores)."""
-    calls = [node for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.Call)
-             and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"]
-    return {"--help"} | {arg.value for call in calls for arg in call.args
-                         if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
+    script only to print --help cost a torch import apiece, over a minute in all on two cores), and where it makes a
+    command line from the recipe's table of flags (`parser("train", ...)`: train.py, plan.py), that command's
+    rows of the table (job.py, torch-free: imported)."""
+    calls = [node for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.Call)]
+    flags = {"--help"} | {arg.value for call in calls if isinstance(call.func, ast.Attribute)
+                          and call.func.attr == "add_argument" for arg in call.args
+                          if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
+    made = {call.args[0].value for call in calls if isinstance(call.func, ast.Name) and call.func.id == "parser"
+            and call.args and isinstance(call.args[0], ast.Constant)}
+    if made:
+        sys.path.insert(0, str(script.parent))
+        try:
+            import job
+        finally:
+            sys.path.remove(str(script.parent))
+        flags |= {"--" + f.name.replace("_", "-") for f in job.FLAGS if set(f.commands) & made}
+    return flags
 
 
 def test_the_command_lines_the_notebooks_show_name_only_flags_their_script_has():

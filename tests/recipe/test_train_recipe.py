@@ -78,7 +78,7 @@ train.main()
 
 
 def _selftest():
-    """The recipe's selftest.py as a module: its Job, Result and runner serve this file's runs too."""
+    """The recipe's selftest.py as a module: its Run, Result and runner serve this file's runs too."""
     sys.path.insert(0, str(RECIPE))           # it imports the recipe's modules by name
     spec = importlib.util.spec_from_file_location("recipe_selftest", RECIPE / "selftest.py")
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # a dataclass looks its module up
@@ -87,7 +87,7 @@ def _selftest():
 
 
 selftest = _selftest()
-Job, Result = selftest.Job, selftest.Result
+Run, Result = selftest.Run, selftest.Result
 
 
 @pytest.fixture(scope="module")
@@ -123,42 +123,42 @@ def runs(workspace) -> dict[str, Result]:
     root, env = workspace
     st = ["--ckpt-dir", "st/ck_fsdp"]
     results = selftest.run_jobs(root, env, [
-        Job("selftest", ["selftest.py", "--keep", "st", "--data", "tokens.bin", "--parallel",
+        Run("selftest", ["selftest.py", "--keep", "st", "--data", "tokens.bin", "--parallel",
                          str(SELFTEST_PARALLEL)], None),
-        Job("ddp", ["observe.py", "--dp-replicate", "2", "--dp-shard", "1", "--compile", "--ac", "full",
+        Run("ddp", ["observe.py", "--dp-replicate", "2", "--dp-shard", "1", "--compile", "--ac", "full",
                     "--tensorboard", "tb", "--profile-steps", "2:3", "--profile-dir", "prof",
                     "--memory-snapshot", "snap"], 2),
-        Job("dropout", ["dropout.py"], 2),
-        Job("term", ["dropout.py", "--ckpt-dir", "ck_term", "--save-every", "3", "--stop-check-every", "2",
+        Run("dropout", ["dropout.py"], 2),
+        Run("term", ["dropout.py", "--ckpt-dir", "ck_term", "--save-every", "3", "--stop-check-every", "2",
                      "--crash-at", "1", "--crash-signal", "TERM"], 2),
-        Job("term_resumed", ["dropout.py", "--ckpt-dir", "ck_term"], 2, after=("term",), metrics="term"),
-        Job("export_fsdp", ["export", *st, "--out", "fsdp.pt"], None, after=("selftest",)),
-        Job("export_resumed", ["export", "--ckpt-dir", "st/ck_crash", "--out", "resumed.pt"], None,
+        Run("term_resumed", ["dropout.py", "--ckpt-dir", "ck_term"], 2, after=("term",), metrics="term"),
+        Run("export_fsdp", ["export", *st, "--out", "fsdp.pt"], None, after=("selftest",)),
+        Run("export_resumed", ["export", "--ckpt-dir", "st/ck_crash", "--out", "resumed.pt"], None,
             after=("selftest",)),
-        Job("export_hf", ["export", *st, "--format", "hf", "--out", "hf_llama"], None, after=("selftest",)),
-        Job("init_from", ["--init-from", "hf_llama", "--tp", "2", "--lr", "0", "--steps", "1",
+        Run("export_hf", ["export", *st, "--format", "hf", "--out", "hf_llama"], None, after=("selftest",)),
+        Run("init_from", ["--init-from", "hf_llama", "--tp", "2", "--lr", "0", "--steps", "1",
                           "--tensorboard", "tb_missing"], 2, after=("export_hf",)),
-        Job("generate_ckpt", ["generate.py", "--model", "st/ck_fsdp", "--prompt", PROMPT, "--max-new-tokens", "12"],
+        Run("generate_ckpt", ["generate.py", "--model", "st/ck_fsdp", "--prompt", PROMPT, "--max-new-tokens", "12"],
             None, after=("selftest",)),
-        Job("generate_hf", ["generate.py", "--model", "hf_llama", "--prompt", PROMPT, "--max-new-tokens", "12"],
+        Run("generate_hf", ["generate.py", "--model", "hf_llama", "--prompt", PROMPT, "--max-new-tokens", "12"],
             None, after=("export_hf",)),
-        *[Job(f"sample{suffix}", ["generate.py", "--model", "st/ck_fsdp", "--prompt", PROMPT, "--max-new-tokens",
+        *[Run(f"sample{suffix}", ["generate.py", "--model", "st/ck_fsdp", "--prompt", PROMPT, "--max-new-tokens",
                                   "12", "--temperature", "0.9", "--top-k", "20", "--seed", "3", *flags], None,
               after=("selftest",))
           for suffix, flags in (("", []), ("_no_cache", ["--no-cache"]))],
-        Job("bad_flag", ["--no-such-flag"], None),
+        Run("bad_flag", ["--no-such-flag"], None),
         # two stages per rank need twice the layers: a one-process run of that model, then the schedules
-        Job("one4", [*LAYERS4, "--ckpt-dir", "ck_one4"], 1),
-        Job("pp_interleaved", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved"], 2),
-        Job("pp_zero_bubble", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved-zb", "--ckpt-dir", "ck_zb"], 2),
+        Run("one4", [*LAYERS4, "--ckpt-dir", "ck_one4"], 1),
+        Run("pp_interleaved", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved"], 2),
+        Run("pp_zero_bubble", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved-zb", "--ckpt-dir", "ck_zb"], 2),
         # each sequence split over the 2 ranks: ring attention (cp.py), under selective checkpointing, whose policy
         # recomputes the ring (its ops run with autograd off) rather than keep its score blocks
-        Job("cp", ["--cp", "2", "--ac", "selective"], 2),
+        Run("cp", ["--cp", "2", "--ac", "selective"], 2),
         # experts: 2 ranks, each holding half of them, 2 micro-batches each, against one process whose 4
         # micro-batches are theirs (the balancing loss is taken over each quarter of the batch in both); experts held
         # by several ranks: tests/recipe/test_expert_grads.py
-        Job("moe_one", [*MOE, "--accum", "4", "--ckpt-dir", "ck_moe_one"], 1),
-        Job("moe_ep", [*MOE, "--ep", "2", "--accum", "2", "--ac", "alternate", "--ckpt-dir", "ck_moe_ep"], 2),
+        Run("moe_one", [*MOE, "--accum", "4", "--ckpt-dir", "ck_moe_one"], 1),
+        Run("moe_ep", [*MOE, "--ep", "2", "--accum", "2", "--ac", "alternate", "--ckpt-dir", "ck_moe_ep"], 2),
     ], PARALLEL, ["tokens.bin"])
     saved = root / "st" / "results.json"
     for name, fields in (json.loads(saved.read_text()) if saved.exists() else {}).items():
@@ -171,9 +171,9 @@ def runs4(workspace) -> dict[str, Result]:
     """The runs of 4 ranks (4 processes on this machine's cores: slow, and grouped)."""
     root, env = workspace
     return selftest.run_jobs(root, env, [
-        Job("hsdp", ["--dp-replicate", "2", "--dp-shard", "2"], 4),
-        Job("fsdp_tp", ["--tp", "2"], 4),
-        Job("pp_tp", ["--pp", "2", "--tp", "2", "--accum", "2"], 4),
+        Run("hsdp", ["--dp-replicate", "2", "--dp-shard", "2"], 4),
+        Run("fsdp_tp", ["--tp", "2"], 4),
+        Run("pp_tp", ["--pp", "2", "--tp", "2", "--accum", "2"], 4),
     ], PARALLEL, ["tokens.bin"])
 
 

@@ -1,6 +1,6 @@
-"""The training recipe's train.py (made of notebook 09's cells) under the faults and questions a cluster brings, one
-piece at a time, in this process (the pieces take no process group, or a stand-in for one) and, for the pipeline's
-evaluation, on 2 real processes (helpers.launch):
+"""The training recipe's train.py and measure.py (made of notebook 09's cells) under the faults and questions a
+cluster brings, one piece at a time, in this process (the pieces take no process group, or a stand-in for one)
+and, for the pipeline's evaluation, on 2 real processes (helpers.launch):
 - more ranks on a node than GPUs is one line and exit status 2, not a silent fall back to the CPU;
 - the test hooks (--crash-at, --crash-signal) are not among --help's flags;
 - the ranks agree on a SIGTERM with one collective every --stop-check-every steps, none in between, and one
@@ -13,7 +13,6 @@ The runs that prove the rest end to end (SIGTERM within one check, dropout resum
 profiler and memory-snapshot flags) are tests/recipe/test_train_recipe.py's."""
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
@@ -24,6 +23,7 @@ import torch
 from helpers.paths import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS / "train"))  # the recipe's modules import each other by name, as train.py does
+import measure  # noqa: E402
 import train  # noqa: E402
 
 
@@ -75,11 +75,11 @@ def test_the_metrics_file_holds_each_step_once_after_a_resume(tmp_path):
     path = tmp_path / "m.jsonl"
     lines = [{"step": s, "loss": float(s)} for s in (1, 2, 3)] + [{"step": 2, "eval_loss": 0.5}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"step": 4, "lo')   # cut by a kill
-    with train.open_metrics(path, start_step=2) as metrics:  # resumed from step 2's checkpoint
-        train.write_metrics(metrics, step=3, loss=30.0)
+    with measure.open_metrics(path, start_step=2) as metrics:  # resumed from step 2's checkpoint
+        measure.write_metrics(metrics, step=3, loss=30.0)
     kept = [json.loads(x) for x in path.read_text().splitlines()]
     assert kept == [lines[0], lines[1], lines[3], {"step": 3, "loss": 30.0}]
-    with train.open_metrics(path, start_step=0):               # a run from scratch
+    with measure.open_metrics(path, start_step=0):               # a run from scratch
         pass
     assert path.read_text() == ""
 
@@ -88,13 +88,13 @@ def test_the_peak_memory_is_the_windows_on_a_cpu():
     import numpy as np
 
     cpu = torch.device("cpu")
-    if not train.reset_peak_memory(cpu):
+    if not measure.reset_peak_memory(cpu):
         pytest.skip("no /proc/self/clear_refs here: the peak runs from the start, and the log line says so")
     big = np.ones(256 << 20, dtype=np.uint8)                   # 256 MiB, touched
-    with_big = train.peak_memory(cpu)[0]
+    with_big = measure.peak_memory(cpu)[0]
     del big
-    assert train.reset_peak_memory(cpu)
-    after = train.peak_memory(cpu)
+    assert measure.reset_peak_memory(cpu)
+    after = measure.peak_memory(cpu)
     assert after[1] is None, "a CPU has no reserved memory apart"
     assert after[0] < with_big - (200 << 20), (with_big, after)
 
@@ -103,12 +103,10 @@ def test_evaluation_and_checkpoint_time_is_set_aside_from_tokens_per_second(monk
     import types
 
     clock = iter([0.0, 2.0, 5.0, 10.0, 10.0])                  # start; eval from 2 to 5; the line at 10; restart
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    monkeypatch.setattr(train.dist, "get_world_size", lambda: 1)
-    monkeypatch.setattr(train.hardware, "measured_matmul_peak", lambda device, dtype: 1e12)
-    cfg = train.preset("tiny", vocab_size=256)
-    args = argparse.Namespace(seq_len=16, batch=4, steps=10, moe_experts=0)
-    meter = train.Meter(args, cfg, torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(measure.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(measure.hardware, "measured_matmul_peak", lambda device, dtype: 1e12)
+    meter = measure.Meter(4 * 16, 1_000_000, 10, torch.device("cpu"), torch.float32)   # 4 sequences of 16 a step
     meter.steps = 7
     with meter.set_aside("eval"):
         pass
