@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from config import PRESETS, LlamaArgs, Layout, preset
@@ -306,8 +307,9 @@ class Job(dataclasses.make_dataclass("Flags", [(f.name, f.type, field(default=f.
 
     model_config: LlamaArgs | None = None
 
-    @property
+    @functools.cached_property
     def dims(self) -> ParallelDims:
+        """The degrees, made once (the job is frozen)."""
         return ParallelDims(self.dp_replicate, self.dp_shard, self.tp, self.pp, self.cp, self.ep)
 
     @property
