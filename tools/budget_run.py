@@ -9,7 +9,9 @@ runs even after an error, and after each step the output folder's one file, `bud
 (whole, or not at all). It holds, under `budget_run/`:
   summary.json    one record per step: status, seconds, failing cells, headline figures
   figures.md      table rows for docs/measurements.md: date, device, torch, command, the headline figures
-  {mode}/         the executed notebooks (NAME.smoke.ipynb / NAME.full.ipynb) and the output of each one's run (.log)
+  {mode}/         the executed notebooks (NAME.smoke.ipynb / NAME.full.ipynb) and the output of each one's run (.log);
+                  a notebook stopped at the budget is there as far as it got, even before its first cell, its status
+                  in its metadata (`budget_run`) and the cell it stopped at in summary.json
   tests.N.log, bench.N.log   the output of the tests or the benchmark, N the step's number in summary.json
 Several commands with the same --out add to one archive. The console gets each step's line as it ends.
 Nothing here is GPU-specific: on a CPU it runs the same way (that is how it is tested).
@@ -60,8 +62,9 @@ def device_facts() -> dict:
 def execute_all_cells(path: Path, smoke: bool, out: Path) -> None:
     """Execute one notebook with papermill's parameters, every cell even after errors; write it to `out`.
 
-    Runs in the child (`_one`); the cell timeout is the parent's business (it stops the whole tree). Stopped by
-    SIGTERM at the budget, it still writes what ran, and the cell that was running shows as such (`failing_cells`).
+    Runs in the child (`_one`); the cell timeout is the parent's business (it stops the whole tree). The notebook is
+    written before the kernel starts and again after each cell, so a child killed outright still leaves what ran;
+    stopped by SIGTERM at the budget, it writes what ran so far, the cell that was running included.
     """
     import signal
 
@@ -72,27 +75,45 @@ def execute_all_cells(path: Path, smoke: bool, out: Path) -> None:
 
     nb = parameterize_notebook(load_notebook_node(str(path)), {"SMOKE": smoke}, kernel_name="python3")
     client = NotebookClient(nb, timeout=None, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(path.parent)}})
+                            resources={"metadata": {"path": str(path.parent)}},
+                            on_cell_executed=lambda **_: write_notebook(nb, out))
 
     def stopped(signum, frame):
-        nbformat.write(nb, str(out))
+        write_notebook(nb, out)
         raise SystemExit(f"stopped by signal {signum}")
 
     signal.signal(signal.SIGTERM, stopped)
+    write_notebook(nb, out)
     try:
         client.execute()
     finally:
-        nbformat.write(nb, str(out))
+        write_notebook(nb, out)
 
 
-def failing_cells(notebook: dict) -> list[dict]:
-    """Each error output, and a cell left running: the cell's index and id, what went wrong."""
+def write_notebook(nb: dict, out: Path) -> None:
+    """Replace `out` whole: a process stopped while writing leaves the previous version, never half a file."""
+    partial = out.with_name(f".{out.name}.partial")
+    partial.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    os.replace(partial, out)
+
+
+def failing_cells(notebook: dict, ended_early: str | None = None) -> list[dict]:
+    """Each error output, and, for a notebook whose run ended before its last cell (`ended_early` says why: "the
+    budget ran out"), the cell it ended at: the cell's index and id, what went wrong.
+
+    Cells run in order, so the cell a stop interrupted is the first code cell that had not finished: running (the
+    kernel had begun it) or not yet begun (the kernel still starting, or between two cells)."""
     found = []
+    finished_one = False
     for index, cell in enumerate(notebook.get("cells", [])):
         timing = cell.get("metadata", {}).get("execution", {})
-        if "iopub.execute_input" in timing and "shell.execute_reply" not in timing:
+        if ended_early and cell.get("cell_type") == "code" and "shell.execute_reply" not in timing:
+            where = ("still running" if "iopub.execute_input" in timing else
+                     "not begun" if finished_one else "not begun, the notebook's first cell,")
             found.append({"cell": index, "id": cell.get("id"), "ename": "Stopped",
-                          "evalue": "still running when the budget ran out"})
+                          "evalue": f"{where} when {ended_early}"})
+            ended_early = None
+        finished_one = finished_one or "shell.execute_reply" in timing
         for output in cell.get("outputs", []):
             if output.get("output_type") == "error":
                 found.append({"cell": index, "id": cell.get("id"), "ename": output["ename"],
@@ -100,21 +121,40 @@ def failing_cells(notebook: dict) -> list[dict]:
     return found
 
 
-def run_bounded(argv: list[str], seconds: float, log: Path | None = None) -> tuple[str, float]:
-    """Run a child with a deadline; at the deadline stop it and everything below it. Returns (status, seconds)."""
+class Budget:
+    """The seconds a command may still take. Asked before each step and, while a step runs, every `POLL_S`; the
+    tests hand in a budget that runs out at an event (a cell has begun) rather than at a time, which no machine's
+    speed can move."""
+
+    POLL_S = 0.25
+
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def run_bounded(argv: list[str], budget: Budget, log: Path | None = None) -> tuple[str, float]:
+    """Run a child until it ends or the budget runs out; then stop it and everything below it. Returns (status,
+    seconds)."""
     from helpers.launcher.sessions import stop_sessions
 
-    start = time.monotonic()
+    start, given = time.monotonic(), budget.left()
     stream = open(log, "w") if log else subprocess.DEVNULL
     try:
         child = subprocess.Popen(argv, stdout=stream, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                  start_new_session=True)
-        try:
-            rc = child.wait(timeout=max(1.0, seconds))
-            status = "ran" if rc == 0 else f"exit {rc}"
-        except subprocess.TimeoutExpired:
+        while (left := budget.left()) > 0:
+            try:
+                rc = child.wait(timeout=min(Budget.POLL_S, left))
+                status = "ran" if rc == 0 else f"exit {rc}"
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        else:
             stop_sessions([child.pid], lambda pid, t: _waited(child, t), grace=5.0)
-            status = f"stopped at the budget ({seconds:.0f} s)"
+            status = f"stopped at the budget ({given:.0f} s)"
     finally:
         if log:
             stream.close()
@@ -181,14 +221,16 @@ class Session:
         os.replace(partial, self.out / ARCHIVE)
 
 
-def run_notebooks(session: Session, paths: list[Path], deadline: float) -> bool:
-    """Each notebook in turn with the budget left; True when every one ran without a failing cell."""
+def run_notebooks(session: Session, paths: list[Path], budget: Budget) -> bool:
+    """Each notebook in turn with the budget left; True when every one ran without a failing cell.
+
+    Every notebook begun is in the archive, as far as it got, with its status in its metadata (`budget_run`): one
+    stopped before its first cell, by the budget or a child that died early, is the notebook as it was given."""
     from helpers.measure.headline import headlines_of
 
     ok = True
     for path in paths:
-        left = deadline - time.monotonic()
-        if left < 10:
+        if budget.left() < 10:
             session.record(path.stem, "not started (budget spent)", 0.0)
             ok = False
             continue
@@ -196,11 +238,19 @@ def run_notebooks(session: Session, paths: list[Path], deadline: float) -> bool:
         out = session.executed / f"{path.stem}.{session.mode}.ipynb"
         out.unlink(missing_ok=True)
         status, seconds = run_bounded([sys.executable, "-m", "tools.budget_run", "_one", str(path),
-                                       session.mode, str(out)], left, log=out.with_suffix(".log"))
-        executed = json.loads(out.read_text()) if out.exists() else {}
-        cells = failing_cells(executed)
-        if not out.exists() and status == "ran":
+                                       session.mode, str(out)], budget, log=out.with_suffix(".log"))
+        written = out.exists()
+        executed = json.loads((out if written else path).read_text())
+        if not written and status == "ran":
             status = "no executed notebook written"
+        ended_early = None if status == "ran" else ("the budget ran out" if status.startswith("stopped")
+                                                    else f"the run ended ({status})")
+        cells = failing_cells(executed, ended_early)
+        executed.setdefault("metadata", {})["budget_run"] = {
+            "status": status, "seconds": round(seconds, 1),
+            "stopped_at": next(({"cell": c["cell"], "id": c["id"], "why": c["evalue"]} for c in cells
+                                if c["ename"] == "Stopped"), None)}
+        write_notebook(executed, out)
         session.record(path.stem, status, seconds, cells, headlines_of(executed))
         ok = ok and status == "ran" and not cells
     return ok
@@ -237,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         execute_all_cells(Path(argv[1]), argv[2] == "smoke", Path(argv[3]))
         return 0
     args, rest = parse_arguments(argv)
-    deadline = time.monotonic() + args.budget
+    budget = Budget(args.budget)
     session = Session(args.out, args.mode, f"python -m tools.budget_run {args.mode}")
     if args.mode in ("smoke", "full"):
         from tools.run_notebooks import notebook_paths
@@ -245,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = [p for p in notebook_paths() if not rest or any(n in p.name for n in rest)]
         if not paths:
             raise SystemExit(f"budget_run: no notebook in {NOTEBOOKS} matches {rest}")
-        return 0 if run_notebooks(session, paths, deadline) else 1
+        return 0 if run_notebooks(session, paths, budget) else 1
     if args.mode == "tests":
         pytest_args = rest or ["-m", "not browser and not notebook"]
         # -v: a line per test as it ends ("[gw2] FAILED tests/..."), so a run stopped at the budget, before pytest's
@@ -255,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         argv_child = [sys.executable, str(REPO_ROOT / "benchmarks" / "launch_overhead.py"), *rest]
         log = session.work / f"bench.{len(session.records) + 1}.log"
-    status, seconds = run_bounded(argv_child, deadline - time.monotonic(), log=log)
+    status, seconds = run_bounded(argv_child, budget, log=log)
     text = log.read_text() if log.exists() else ""
     tail = text.strip().splitlines()[-1:]
     session.record(" ".join(rest) or args.mode, status + (f" ({tail[0]})" if tail else ""), seconds,
