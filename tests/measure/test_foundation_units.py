@@ -140,5 +140,5 @@ def test_counting_gpus_creates_no_cuda_context():
     import sys
 
     probe = subprocess.run([sys.executable, "-c", "import torch; from helpers import devices; devices.gpu_count(); "
-                            "print(torch.cuda.is_initialized())"], capture_output=True, text=True, timeout=300)
+                            "print(torch.cuda.is_initialized())"], capture_output=True, text=True, timeout=600)
     assert probe.stdout.strip() == "False", probe.stdout + probe.stderr

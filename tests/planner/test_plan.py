@@ -502,8 +502,8 @@ def test_model_state_and_collectives_match_fsdp2_and_ddp_on_two_ranks():
 
     cfg = LlamaArgs(vocab_size=7, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, multiple_of=4, max_seq_len=5)
     train = P.Training(seq_len=5, batch_size=2, grad_accum=2)  # 7 vocabulary rows and 1 x 4 key/value rows: padding
-    results = helpers.launch(_model_state_worker, cfg, 2, train, str(SCRIPTS / "train"), world_size=2, timeout=180,
-                             quiet=True)
+    results = helpers.launch(_model_state_worker, cfg, 2, train, str(SCRIPTS / "train"), world_size=2, timeout=600,
+                             quiet=True)  # 15 s on a loaded 2-core machine
     for rank, r in enumerate(results):
         fsdp = P.model_state(cfg, train, P.Layout(dp_shard=2), rank)
         assert r["fsdp"]["held"] == fsdp["held"], f"rank {rank}: local shards, grads, AdamW moments"

@@ -213,7 +213,7 @@ def _two_rank_worker(cfg, experts, top_k, batch, scripts):
             mine = slice(rank * batch, (rank + 1) * batch)
             return tokens[mine, :-1].clone(), tokens[mine, 1:].clone()
 
-        def settled(live, interval=0.01, readings=3, deadline=5.0):
+        def settled(live, interval=0.01, readings=3, deadline=60.0):
             """The live bytes once they stop changing: a gloo worker thread drops a finished collective's buffers a
             moment after the call returned (later on a busy machine), and a reference cycle's at the next gc."""
             seen, stop = [], time.monotonic() + deadline
@@ -336,7 +336,7 @@ def test_ring_and_experts_keep_and_send_what_the_plan_says_on_two_ranks():
     import helpers
 
     results = helpers.launch(_two_rank_worker, CFG, EXPERTS, TOP_K, 2, str(SCRIPTS / "train"), world_size=2,
-                             timeout=180, quiet=True)
+                             timeout=600, quiet=True)  # 39 s on a loaded 2-core machine
     for checkpointing in ("none", "full", "selective"):
         _ring_checks(results, checkpointing)
         _expert_checks(results, checkpointing)

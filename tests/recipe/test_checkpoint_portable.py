@@ -88,7 +88,7 @@ def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # 25 s here, loaded
 def test_saved_at_two_ranks_loads_at_one_and_three_with_equal_outputs_and_data_position(tmp_path, flags):
     launch(_train, [*flags, "--steps=2", "--save-every=2", f"--ckpt-dir={tmp_path / 'ckpt'}"], **_ranks(2))
     folder = recipe.latest(tmp_path / "ckpt")
@@ -106,7 +106,7 @@ def test_saved_at_two_ranks_loads_at_one_and_three_with_equal_outputs_and_data_p
     assert torch.equal(one[0]["next"], torch.cat([r["next"] for r in three])), "the same next global batch"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # 25 s here, loaded
 def test_a_checkpoint_with_extra_per_rank_device_keys_loads_without_them(tmp_path, flags):
     params = launch(_save_with_gpu_era_keys, str(tmp_path / "ckpt"), flags, **_ranks(2))[0]
     meta = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata

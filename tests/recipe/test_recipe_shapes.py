@@ -49,7 +49,7 @@ def _forward_at_tp(tp, n_heads, n_kv_heads):
 def test_the_notebooks_tp_lines_split_whole_heads_over_eight_gpus(tp, n_heads, n_kv_heads):
     """--tp 2 and 4 with the GPU defaults' 12 query and 4 key/value heads, --tp 8 with --n-heads 16 --n-kv-heads 8
     (notebook 07's lines)."""
-    shape, local, seq_len, vocab = launch(_forward_at_tp, tp, n_heads, n_kv_heads, world_size=1, timeout=120)[0]
+    shape, local, seq_len, vocab = launch(_forward_at_tp, tp, n_heads, n_kv_heads, world_size=1, timeout=300)[0]
     assert shape == (1, seq_len, vocab) and local == (1, seq_len, vocab // tp), "logits sharded over the vocabulary"
 
 
@@ -106,7 +106,7 @@ def _pipeline_splits(pp, chunks, n_layers, style="loop"):
 
 def test_a_pipeline_with_more_stages_than_layers_is_refused():
     """8 stages of 4 layers: before any check, every stage kept 0 blocks and trained without them."""
-    refused = launch(_pipeline_splits, 8, 1, 4, world_size=1, timeout=120)[0]
+    refused = launch(_pipeline_splits, 8, 1, 4, world_size=1, timeout=300)[0]
     assert refused == "4 layers do not fill 8 stages"
 
 
@@ -118,7 +118,7 @@ def test_the_stages_tile_the_model_under_its_own_names(pp, chunks, n_layers, sty
     the interleaved schedule's stages on a rank are not neighbours), split as torchtitan splits them: the embedding
     and the output count as a block each, and the first stages take one more where they do not divide (126 layers
     over 8 stages: 15, 16 x 6, 15). In a V (the ZBV schedule) rank r's second chunk is stage 2p - 1 - r instead."""
-    kept = launch(_pipeline_splits, pp, chunks, n_layers, style, world_size=1, timeout=120)[0]
+    kept = launch(_pipeline_splits, pp, chunks, n_layers, style, world_size=1, timeout=300)[0]
     whole = kept.pop("whole")
     assert sorted(n for names in kept.values() for n in names) == whole
     stages = pp * chunks

@@ -35,7 +35,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
 }
 RUNS = int(os.environ.get("COOKBOOK_SCRIPT_RUNS", "2"))  # 2 x 2 ranks: twice as many processes as this machine's cores
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata"}
-RUN_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 600  # the slowest script's runs: 53 s on a loaded 2-core machine
 
 
 def _scripts() -> list[Path]:

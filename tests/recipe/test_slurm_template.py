@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers.launcher.api import free_port
 from helpers.cluster.torchrun import torchrun_path
 from helpers.paths import REPO_ROOT
@@ -58,7 +60,7 @@ def run_template(template: Path, tmp_path: Path, script: Path, *flags: str) -> s
            # ranks on one GPU, so the simulated nodes run on CPU with gloo (notebook 09 and test_elastic do the same)
            "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(["bash", str(template), *flags], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300, stdin=subprocess.DEVNULL)
+                          timeout=600, stdin=subprocess.DEVNULL)  # a run: about 50 s on a loaded 2-core machine
 
 
 def summary_of(run: subprocess.CompletedProcess) -> str:
@@ -69,6 +71,7 @@ def summary_of(run: subprocess.CompletedProcess) -> str:
     return summaries[0]
 
 
+@pytest.mark.timeout(1800)  # two runs of the template: 96 s on a loaded 2-core machine
 def test_the_recipe_template_runs_a_two_node_job_that_saves_on_sigterm_and_resumes(tmp_path: Path):
     # SIGTERM is what SLURM sends (--signal) before the time limit: here the last rank sends it to itself after
     # step 2 (the recipe's planted fault); the job must still end well, with step 2 committed, and the same

@@ -88,6 +88,11 @@ def _selftest():
 
 selftest = _selftest()
 Run, Result = selftest.Run, selftest.Result
+# One run here is selftest.py itself (seven torchrun runs, two at a time): the copied recipe's 600 s for one run is not
+# room for seven. Every run of this module took 347 s in all on a loaded 2-core machine; the first test that reads
+# them waits for all of them.
+selftest.RUN_TIMEOUT_S = 3600
+pytestmark = pytest.mark.timeout(3600)
 
 
 @pytest.fixture(scope="module")
