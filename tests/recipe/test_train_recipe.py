@@ -123,9 +123,15 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(workspace) -> dict[str, Result]:
-    """Every run of 1 or 2 ranks the tests below read, each made once: selftest.py's (in st/) and this file's."""
+def runs(workspace, request) -> dict[str, Result]:
+    """Every run of 1 or 2 ranks the tests below read, each made once: selftest.py's (in st/) and this file's. When
+    the tests of this module that run are all of the quick tier (tests/conftest.py: the one-process run and 2-rank
+    FSDP2), only selftest's two runs they read are made."""
     root, env = workspace
+    mine = [item for item in request.session.items if item.module is request.module]
+    if all(item.get_closest_marker("quick") for item in mine):
+        return selftest.run_jobs(root, env, [job for job in selftest.jobs() if job.name in ("one", "fsdp")], PARALLEL,
+                                 ["tokens.bin"])
     st = ["--ckpt-dir", "st/ck_fsdp"]
     results = selftest.run_jobs(root, env, [
         Run("selftest", ["selftest.py", "--keep", "st", "--data", "tokens.bin", "--parallel",
