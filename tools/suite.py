@@ -130,7 +130,8 @@ class Reaper:
         while (reaped := self.reap(block=True)) is not None:
             pid, status = reaped
             if pid == child.pid:
-                child.returncode = os.waitstatus_to_exitcode(status)
+                code = os.waitstatus_to_exitcode(status)
+                child.returncode = code if code >= 0 else 128 - code  # killed by a signal: a shell's status
                 return child.returncode
         return child.wait()  # no child left: cannot happen while pytest runs
 
@@ -162,12 +163,19 @@ class Reaper:
             while time.monotonic() < deadline:
                 while self.reap(block=False) is not None:
                     pass
-                if not [p for p in self.leftovers() if p.status() != psutil.STATUS_ZOMBIE]:
+                if not [p for p in self.leftovers() if _running(p)]:
                     break
                 time.sleep(0.05)
         while self.reap(block=False) is not None:
             pass
         return names
+
+
+def _running(process) -> bool:
+    try:
+        return process.status() != "zombie"
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return False
 
 
 def _parents(process, stop_at: int) -> list:
@@ -240,23 +248,25 @@ def run(quick: bool, under_load: bool, pytest_args: list[str]) -> int:
 @contextlib.contextmanager
 def _interrupts_passed_to(child: subprocess.Popen):
     """While pytest runs, Ctrl-C does not stop this process: the terminal sends it to pytest too (one process group),
-    which ends its session and reports; a second Ctrl-C stops pytest (SIGTERM), a third kills it. Yields the list of
-    interrupts seen."""
+    which ends its session and reports; a second Ctrl-C stops pytest (SIGTERM), a third kills it. A SIGTERM to this
+    process (a CI job cancelled) is passed on to pytest. Either way this process goes on to end what is left and the
+    busy processes. Yields the list of signals seen."""
     seen = []
 
     def interrupted(signum, frame):
         seen.append(signum)
-        if len(seen) > 1 and child.returncode is None:
+        if child.returncode is None and (signum == signal.SIGTERM or len(seen) > 1):
             try:
-                child.send_signal(signal.SIGTERM if len(seen) == 2 else signal.SIGKILL)
+                child.send_signal(signal.SIGKILL if len(seen) > 2 else signal.SIGTERM)
             except ProcessLookupError:
                 pass
 
-    previous = signal.signal(signal.SIGINT, interrupted)
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield seen
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _read(report: Path) -> dict:
