@@ -93,10 +93,8 @@ def cell_interrupted_after(seconds: float):
 # new test file there is in the tier without a word; from the other areas the files and tests named. NOT_QUICK holds
 # what of those costs too much for the tier (a test of 9 s or more here, a file of 30 s or more, the machine shared
 # and busy): a test that shows among the slowest `./cookbook test --quick` prints belongs there. Paths below tests/.
-QUICK_AREAS = ("plots/", "measure/", "planner/", "project/")
+QUICK_AREAS = ("launcher/", "plots/", "measure/", "planner/", "project/")  # launcher: its fault suite, its units
 QUICK_FILES = (
-    "launcher/test_launch.py", "launcher/test_workers.py", "launcher/test_devices.py",  # the launcher's fault suite
-    "launcher/test_payload.py", "launcher/test_process_group_lifetime.py",
     "notebooks/test_teaching.py", "notebooks/test_explore.py",  # the teaching checks
     "recipe/test_recipe_data.py",
 )
@@ -112,6 +110,8 @@ QUICK_TESTS = (
     "recipe/test_train_recipe.py::test_the_recipe_imports_only_torch_numpy_torchdata_the_standard_library_and_itself",
 )
 NOT_QUICK = (
+    "launcher/test_elastic.py",  # torchrun agents, a torch import each
+    "launcher/test_torchrun.py",
     "launcher/test_launch.py::test_closures_defined_in_a_cell_work_with_either_start_method[spawn]",
     "launcher/test_launch.py::test_threads_split_the_cores_unless_the_user_says_otherwise[spawn]",
     "launcher/test_launch.py::test_a_server_whose_installation_changed_is_replaced",
@@ -129,6 +129,7 @@ NOT_QUICK = (
     "planner/test_plan_cp_moe.py::test_ring_and_experts_keep_and_send_what_the_plan_says_on_two_ranks",
     "planner/test_plan_cp_moe.py::test_moe_activations_are_what_a_forward_keeps",
     "project/test_private_names.py",
+    "project/test_packaging.py",
     "project/test_budget_run.py::test_cells_after_an_error_still_run_and_figures_are_kept",
     "project/test_budget_run.py::test_a_hanging_notebook_is_stopped_at_the_budget_and_leaves_nothing_running",
     "project/test_suite.py::test_under_load_busy_processes_run_beside_pytest_and_the_cost_counts_an_orphan",
