@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cell_interrupted_when
+from cell_interrupts import cell_interrupted_when
 import torch
 import torch.distributed as dist
 

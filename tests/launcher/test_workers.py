@@ -7,7 +7,7 @@ import time
 
 import psutil
 import pytest
-from conftest import cell_interrupted_after
+from cell_interrupts import cell_interrupted_after
 import torch
 import torch.distributed as dist
 

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from conftest import is_quick
+from quick_tier import is_quick
 from helpers.paths import REPO_ROOT
 from tools.suite import BUSY_TAG, cores, left_out_lines, quick_selection
 from tools.suite_plugin import REPORT_VAR
