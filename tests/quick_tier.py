@@ -15,7 +15,7 @@ QUICK_FILES = (
     "recipe/test_recipe_data.py",
 )
 QUICK_TESTS = (
-    # the recipe's one-process run and one 2-rank layout (tests/recipe/test_train_recipe.py then makes only these runs)
+    # the recipe's one-process run and one 2-rank layout (test_train_recipe.py then makes only these)
     "recipe/test_train_recipe.py::test_one_process_trains",
     "recipe/test_train_recipe.py::test_a_layout_of_two_ranks_matches_one_process[fsdp]",
     # the course's order: each script made of its notebook's cells, each recipe module of one notebook's, in order
@@ -48,8 +48,10 @@ NOT_QUICK = (
     "project/test_packaging.py",
     "project/test_budget_run.py::test_cells_after_an_error_still_run_and_figures_are_kept",
     "project/test_budget_run.py::test_a_hanging_notebook_is_stopped_at_the_budget_and_leaves_nothing_running",
+    "project/test_budget_run.py::test_a_notebook_stopped_before_its_first_cell_is_in_the_archive_with_where_it_stopped",
     "project/test_suite.py::test_under_load_busy_processes_run_beside_pytest_and_the_cost_counts_an_orphan",
     "project/test_suite.py::test_ctrl_c_ends_pytest_and_then_the_busy_processes",
+    "project/test_suite.py::test_the_plugin_reports_nothing_unless_asked",
 )
 
 

@@ -95,9 +95,16 @@ selftest.RUN_TIMEOUT_S = 3600
 pytestmark = pytest.mark.timeout(3600)
 
 
+def _only_the_quick_tier(request) -> bool:
+    """The tests of this module that run are all of the quick tier (tests/quick_tier.py): the one-process run and 2-rank
+    FSDP2, and checks that read no run. The fixtures below then make only what those read."""
+    return all(item.get_closest_marker("quick") for item in request.session.items if item.module is request.module)
+
+
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> tuple[Path, dict]:
-    """An empty project with scripts/train/ copied in and its token file prepared by `train.py prepare`."""
+def workspace(tmp_path_factory, request) -> tuple[Path, dict]:
+    """An empty project with scripts/train/ copied in and its token files prepared by `train.py prepare` (the byte-level
+    one only for the full module)."""
     root = tmp_path_factory.mktemp("project")
     for source in RECIPE.glob("*.py"):
         shutil.copy(source, root / source.name)
@@ -114,7 +121,9 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
     (root / "corpus.txt").write_text("\n\n".join(topics[key] for key in sorted(topics)), encoding="utf-8")
     (root / "not_llama").mkdir()
     (root / "not_llama" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    for out, tokenizer in (("tokens.bin", ["--train-tokenizer", str(TOKENIZER_VOCAB)]), ("bytes.bin", [])):
+    prepares = [("tokens.bin", ["--train-tokenizer", str(TOKENIZER_VOCAB)])]
+    prepares += [] if _only_the_quick_tier(request) else [("bytes.bin", [])]
+    for out, tokenizer in prepares:
         prepared = subprocess.run([sys.executable, "train.py", "prepare", "--text", "corpus.txt", "--out", out,
                                    *tokenizer], cwd=root, env=env, capture_output=True, text=True,
                                   timeout=selftest.RUN_TIMEOUT_S)
@@ -124,12 +133,10 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
 
 @pytest.fixture(scope="module")
 def runs(workspace, request) -> dict[str, Result]:
-    """Every run of 1 or 2 ranks the tests below read, each made once: selftest.py's (in st/) and this file's. When
-    the tests of this module that run are all of the quick tier (tests/conftest.py: the one-process run and 2-rank
-    FSDP2), only selftest's two runs they read are made."""
+    """Every run of 1 or 2 ranks the tests below read, each made once: selftest.py's (in st/) and this file's; for the
+    quick tier, only selftest's two runs it reads."""
     root, env = workspace
-    mine = [item for item in request.session.items if item.module is request.module]
-    if all(item.get_closest_marker("quick") for item in mine):
+    if _only_the_quick_tier(request):
         return selftest.run_jobs(root, env, [job for job in selftest.jobs() if job.name in ("one", "fsdp")], PARALLEL,
                                  ["tokens.bin"])
     st = ["--ckpt-dir", "st/ck_fsdp"]
