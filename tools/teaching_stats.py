@@ -15,8 +15,10 @@ The same module holds the checks the tests run, in one copy:
   `helpers` (what a worker is handed from the measuring machinery), and `unnamed_plumbing(notebook)`, the ones
   the notebook's markdown does not name as plumbing: a worker's central step must be in the cells, and what it is
   handed from helpers must be plumbing that the reader is told is plumbing.
-- `unfailable_asserts(cells)`: asserts that cannot fail: an expression compared with itself, or fields of one
-  record that bound each other by construction (its low, median and high; a part against the min of its wholes).
+- `unfailable_asserts(cells)`: asserts that cannot fail: an expression compared with itself, fields of one record
+  that bound each other by construction (its low, median and high; a part against the min of its wholes), a value
+  read back from what was just written (`f(g(x)).a == x.a`), or a length or membership that a constructor
+  guarantees (a comprehension's size against what it ran over; a count its maker took from its input).
 - `forbidden_text(text)`: wording the project must not carry (references to source material the reader does not
   have, issue numbers, CJK text).
 
@@ -311,12 +313,115 @@ def _unfailable(test: ast.expr) -> str | None:
     return None
 
 
+EQUALITY_CALLS = {"equal", "allclose", "isclose", "array_equal", "assert_close"}   # torch.equal(a, b) and the like
+COUNT_KEYS = {"n", "count", "length", "len", "size"}   # a record's field that counts something
+
+
+def _chain(expr: ast.expr) -> tuple[ast.expr, tuple]:
+    """`x.a["b"]` -> (x, ('a', <dump of "b">)): the expression under a trailing chain of attributes and subscripts."""
+    chain = []
+    while isinstance(expr, (ast.Attribute, ast.Subscript)):
+        chain.append(expr.attr if isinstance(expr, ast.Attribute) else ast.dump(expr.slice))
+        expr = expr.value
+    return expr, tuple(reversed(chain))
+
+
+def _read_back(a: ast.expr, b: ast.expr) -> str | None:
+    """`f(g(x)).attr` against `x.attr` (or `f(..., g(..., x, ...)[i], ...)` against `x`): what the writer g just
+    wrote, read back by f. Calls by plain name only, the project's own pair (a library's, `json.loads(json.dumps(x))`
+    or a tokenizer's decode of its encode, states a property of that library)."""
+    outer, suffix = _chain(a)
+    other, other_suffix = _chain(b)
+    if not (isinstance(outer, ast.Call) and isinstance(outer.func, ast.Name)) or suffix != other_suffix:
+        return None
+    for arg in outer.args:
+        inner, _ = _chain(arg)
+        if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name) and \
+                any(ast.dump(x) == ast.dump(other) for x in inner.args):
+            return f"reads back through {outer.func.id} what {inner.func.id} just wrote from {ast.unparse(other)}"
+    return None
+
+
+def _comprehension(value: ast.expr | None) -> ast.comprehension | None:
+    """The one unfiltered `for` of a comprehension (`list(...)` of one included), else None."""
+    if isinstance(value, ast.Call) and _name(value.func) in ("list", "set", "dict", "tuple") and len(value.args) == 1:
+        value = value.args[0]
+    if isinstance(value, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) and len(value.generators) == 1 \
+            and not value.generators[0].ifs:
+        return value.generators[0]
+    return None
+
+
+def _len_of(expr: ast.expr) -> ast.expr | None:
+    return expr.args[0] if isinstance(expr, ast.Call) and _name(expr.func) == "len" and len(expr.args) == 1 else None
+
+
+def _same(a: ast.expr, b: ast.expr) -> bool:
+    return ast.dump(a) == ast.dump(b)
+
+
+def _by_construction(a: ast.expr, b: ast.expr, assigned: dict) -> str | None:
+    """A length or membership that what made it guarantees: len(A) against len(B) or N where A is a comprehension
+    over B or range(N); set(A) (sorted(A)) against set(B) where A is {k: ... for k in B}; record[count] against
+    len(X) (give or take a constant) where the record was made by a call handed X."""
+    sized = _len_of(a)
+    if isinstance(sized, ast.Name) and (loop := _comprehension(assigned.get(sized.id))) is not None:
+        over, other = loop.iter, _len_of(b)
+        if (other is not None and _same(over, other)) or (isinstance(over, ast.Call) and _name(over.func) == "range"
+                                                          and len(over.args) == 1 and _same(over.args[0], b)):
+            return f"len({sized.id}) is what the comprehension that made it ran over"
+    if isinstance(a, ast.Call) and isinstance(b, ast.Call) and _name(a.func) == _name(b.func) in ("set", "sorted") \
+            and len(a.args) == len(b.args) == 1 and isinstance(a.args[0], ast.Name):
+        made = assigned.get(a.args[0].id)
+        loop = _comprehension(made)
+        key = made.key if isinstance(made, ast.DictComp) else getattr(made, "elt", None)
+        if loop is not None and _same(loop.iter, b.args[0]) and isinstance(key, ast.Name) and \
+                isinstance(loop.target, ast.Name) and key.id == loop.target.id:
+            return f"{a.args[0].id}'s keys are what the comprehension that made it ran over"
+    field_of = _record_field(a)
+    count = b.left if isinstance(b, ast.BinOp) and isinstance(b.right, ast.Constant) else b
+    counted = _len_of(count)
+    if field_of and field_of[1] in COUNT_KEYS and counted is not None and _root(counted) is not None:
+        maker = assigned.get(field_of[0])
+        if isinstance(maker, ast.Call) and _root(counted) in {_root(x) for x in maker.args}:
+            return f"{ast.unparse(a)} is a count its maker took from {ast.unparse(counted)}"
+    return None
+
+
+def _held_by_construction(test: ast.expr, assigned: dict) -> str | None:
+    for node in ast.walk(test):
+        pairs = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            pairs = [(a, b) for op, a, b in zip(node.ops, operands, operands[1:]) if isinstance(op, (ast.Eq, ast.Is))]
+        elif isinstance(node, ast.Call) and _name(node.func) in EQUALITY_CALLS and len(node.args) >= 2:
+            pairs = [tuple(node.args[:2])]
+        for a, b in pairs:
+            for x, y in ((a, b), (b, a)):
+                if why := _read_back(x, y) or _by_construction(x, y, assigned):
+                    return why
+    return None
+
+
 def unfailable_asserts(cells: list[str]) -> list[str]:
-    """'<the assert>: <why it cannot fail>' for each assert in the cells that holds by construction."""
-    found = []
-    for node in ast.walk(parse(cells)):
-        if isinstance(node, ast.Assert) and (why := _unfailable(node.test)):
+    """'<the assert>: <why it cannot fail>' for each assert in the cells that holds by construction. The cells are
+    read in order, so an assert is judged against what its names were last assigned (a comprehension, a call)."""
+    found, assigned = [], {}
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    assigned[target.id] = node.value
+                elif isinstance(target, ast.Tuple):   # a, b = ...: each name now holds something unknown
+                    assigned.update({t.id: None for t in target.elts if isinstance(t, ast.Name)})
+        if isinstance(node, ast.Assert) and (why := _unfailable(node.test) or
+                                             _held_by_construction(node.test, assigned)):
             found.append(f"{ast.unparse(node.test)[:100]}: {why}")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(parse(cells))
     return found
 
 

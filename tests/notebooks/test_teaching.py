@@ -163,9 +163,31 @@ def test_an_assert_that_cannot_fail_is_caught(cell, why):
     assert len(found) == 1 and why in found[0]
 
 
+@pytest.mark.parametrize("cell, why", [
+    ("assert config_from_hf(hf_config(small)).hidden == small.hidden", "reads back through config_from_hf"),
+    ("assert small.dim == config_from_hf(hf_config(small, 'bf16')).dim", "what hf_config just wrote"),
+    ("assert all(torch.equal(from_hf(n, to_hf(n, t, cfg)[1], cfg), t) for n, t in sd.items())", "reads back"),
+    ("result = [run(x) for x in inputs]\nassert len(result) == len(inputs)", "the comprehension that made it"),
+    ("squares = list(i * i for i in range(n))\nassert n == len(squares)", "the comprehension that made it"),
+    ("times = {k: measure(k) for k in settings}\nassert set(times) == set(settings)", "keys are what"),
+    ("faster = speedup(runs[0], runs[1])\nassert faster['n'] == len(runs[0]['curve']) - 1", "a count its maker took"),
+])
+def test_an_assert_that_holds_by_construction_is_caught(cell, why):
+    found = unfailable_asserts([cell])
+    assert len(found) == 1 and why in found[0], found
+
+
 def test_asserts_that_can_fail_pass():
     cells = ["assert final[3] >= final[1] + 0.1\nassert r['low'] > 0\nassert a['median'] <= b['median']\n"
-             "assert m['overlap_us'] <= min(other['comm_us'], m['compute_us'])\nassert x == y"]
+             "assert m['overlap_us'] <= min(other['comm_us'], m['compute_us'])\nassert x == y",
+             # read back from what another program wrote, or through a library's own pair
+             "assert config_from_hf(json.loads(written)).hidden == 96\nassert tok.decode(tok.encode(text)) == text\n"
+             "assert json.loads(json.dumps(state)) == state",
+             # a length or membership that the code which made the value does not guarantee
+             "result = helpers.launch(worker, inputs)\nassert len(result) == len(inputs)\n"
+             "kept = [r for r in rows if r['ok']]\nassert len(kept) == len(rows)\n"
+             "times = {k: measure(k) for k in settings}\nassert set(times) == set(expected)\n"
+             "faster = speedup(runs[0], runs[1])\nassert faster['n'] >= 3 and faster['steps'] == len(runs[0]['curve'])"]
     assert unfailable_asserts(cells) == []
 
 
