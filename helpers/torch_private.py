@@ -69,9 +69,10 @@ PRIVATE = {
         ("notebooks/05_mixed_precision.ipynb", "scripts/train/measure.py",
          "notebooks/09_from_notebook_to_cluster.ipynb")),
     "default_first_bucket_bytes": PrivateAPI(
-        "torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES", "helpers/measure/ddp.py (bucket_limits)",
+        "torch.distributed", "_DEFAULT_FIRST_BUCKET_BYTES",
+        "scripts/ddp_bench.py's bucket_plan (notebook 02's cell: DDP's bucket rule, the lesson)",
         "DDP's small first bucket (1 MiB) that its rebuilt buckets start with; no public constant or argument "
-        "exposes it"),
+        "exposes it", ("notebooks/02_ddp.ipynb", "scripts/ddp_bench.py")),
     "dump_fr_trace": PrivateAPI(
         "torch._C._distributed_c10d", "_dump_fr_trace", "notebook 09b's worker recorded_collectives (the lesson)",
         "a rank's own flight-recorder record: torch dumps the records by itself only on an NCCL timeout, never on "

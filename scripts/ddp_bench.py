@@ -8,7 +8,8 @@
 
 Times one training step of train_ddp.py's DigitsMLP under DDP at each bucket cap, and the same step under no_sync
 (compute only), every rank starting together; prints the medians. The workers (step_times, traced_step,
-loader_throughput) are bodies for train_ddp.py's run_distributed, as the notebooks launch them.
+loader_throughput) are bodies for train_ddp.py's run_distributed, as the notebooks launch them; bucket_plan
+predicts the buckets DDP makes of a model.
 """
 import argparse
 import contextlib
@@ -27,6 +28,27 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
 from train_ddp import DIGITS, DigitsMLP, load_digits, run_distributed
+
+
+def bucket_plan(model, bucket_cap_mb=None):
+    """Bytes of each bucket DDP all-reduces per step from its second iteration on (fp32 gradients, one device).
+
+    The first iteration uses one bucket: DDP does not know yet in which order the gradients become ready. It then
+    rebuilds the buckets in that order, for a model whose forward uses its parameters in registration order the
+    reverse of model.parameters(). A gradient joins the open bucket, and the bucket closes as soon as it holds at
+    least its cap (so it may pass the cap by one tensor). An explicit bucket_cap_mb caps every bucket; the default
+    (None: 25 MiB) caps the first at 1 MiB, so that the first all-reduce starts early."""
+    if bucket_cap_mb is None:  # DDP's first-bucket size has no public name
+        caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]
+    else:
+        caps = [int(bucket_cap_mb * 2**20)]
+    buckets, open_bytes = [], 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        open_bytes += p.numel() * p.element_size()
+        if open_bytes >= caps[min(len(buckets), len(caps) - 1)]:
+            buckets.append(open_bytes)
+            open_bytes = 0
+    return buckets + [open_bytes] if open_bytes else buckets
 
 
 def rank_batch(batch_size, device, data=DIGITS):

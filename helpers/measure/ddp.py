@@ -1,12 +1,11 @@
-"""Watching DDP from the inside: how many buckets it builds, what it hands to the wire (the timing workers are
-scripts/ddp_bench.py's `step_times` and `traced_step`).
+"""Watching DDP from the inside: what it hands to the wire, and the variants and sizes its notebooks time (the timing
+workers are scripts/ddp_bench.py's `step_times` and `traced_step`).
 
 Why a module of its own: notebooks 02 and 02b must show the DDP lines themselves (the wrapper, `no_sync`, the comm hook,
 `Join`), not the book-keeping around them. Everything here observes or predicts; nothing changes what DDP
-computes. The predictions are the closed forms the notebook asserts against:
+computes. DDP's bucket rule is notebook 02's lesson and lives in its cells (scripts/ddp_bench.py's `bucket_plan`);
+the prediction here is the closed form notebook 02b asserts against:
 
-- `bucket_plan`: DDP's greedy bucket assignment (after its first iteration it rebuilds buckets in the order
-  gradients became ready, which for a feed-forward model is the reverse of `model.parameters()`).
 - `hook_payload_bytes`: what a comm hook all-reduces per step: 4 bytes a value for fp32, 2 for fp16/bf16, and for
   PowerSGD an n x m matrix at rank r sends (n + m) * r values instead of n * m.
 """
@@ -16,58 +15,9 @@ import math
 import threading
 from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 
-from helpers import torch_private
 from helpers.devices import cpu_ranks_env
-
-MIB = 1024 * 1024
-DEFAULT_BUCKET_CAP_MB = 25  # DDP's default bucket_cap_mb
-
-
-# ----------------------------------------------------------------------------------------------- buckets
-
-
-def greedy_buckets(sizes: list[int], limits: list[int]) -> list[list[int]]:
-    """DDP's assignment of tensors (sizes in bytes, in the order given) to buckets.
-
-    A tensor joins the open bucket; the bucket closes as soon as it holds at least its limit (so a bucket may
-    exceed it by one tensor). Bucket i uses limits[i]; the last limit repeats. A leftover open bucket is kept.
-    """
-    if not limits or any(limit <= 0 for limit in limits):
-        raise ValueError(f"bucket limits must be positive, got {limits}")
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for index, size in enumerate(sizes):
-        current.append(index)
-        filled += size
-        if filled >= limits[min(len(buckets), len(limits) - 1)]:
-            buckets.append(current)
-            current, filled = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-def bucket_limits(bucket_cap_mb: float | None) -> list[int]:
-    """The byte limits DDP uses when it rebuilds its buckets: a small first bucket only for the default cap."""
-    if bucket_cap_mb is None:
-        return [torch_private.default_first_bucket_bytes, DEFAULT_BUCKET_CAP_MB * MIB]
-    return [int(bucket_cap_mb * MIB)]
-
-
-def bucket_plan(model: torch.nn.Module, bucket_cap_mb: float | None = None) -> list[int]:
-    """Bytes of each bucket DDP reduces per step from the second iteration on (fp32 gradients, one device).
-
-    The first iteration uses a single bucket (DDP does not know the order in which gradients become ready yet);
-    it then rebuilds buckets in ready order, which for a model whose forward uses its parameters in
-    registration order is `reversed(model.parameters())`.
-    """
-    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad][::-1]
-    return [sum(sizes[i] for i in bucket) for bucket in greedy_buckets(sizes, bucket_limits(bucket_cap_mb))]
-
 
 # ----------------------------------------------------------------------------------------------- counting
 
@@ -220,35 +170,11 @@ def percent_change(new_times: list[float], old_times: list[float]) -> tuple[floa
     return 100 * (statistics.median(new_times) / statistics.median(old_times) - 1), (100 * (low - 1), 100 * (high - 1))
 
 
-def scaling_variants(model_factory) -> dict:
+def scaling_variants(bucket_bytes: list[int]) -> dict:
     """The variants notebook 02b's weak-scaling launches time with scripts/ddp_bench.py's `step_times` at each world
-    size: the DDP step, the same step under no_sync (compute only) and the all-reduce of its buckets alone (the
-    buckets DDP would make, `bucket_plan`). Parameters come back for the replicas' check only (the DDP step's)."""
+    size: the DDP step, the same step under no_sync (compute only) and the all-reduce of its buckets alone
+    (`bucket_bytes`: the buckets DDP makes of the model, ddp_bench's `bucket_plan`). Parameters come back for the
+    replicas' check only (the DDP step's)."""
     modes = {m: {"mode": m, "count_buckets": False, "params": m == "step"} for m in ("step", "no_sync", "allreduce")}
-    modes["allreduce"]["bucket_bytes"] = bucket_plan(model_factory())
+    modes["allreduce"]["bucket_bytes"] = list(bucket_bytes)
     return modes
-
-
-def scaling_row(n: int, per_rank: int, ranks: list[dict]) -> dict:
-    """One world size's row from `step_times`' results on every rank: the medians of each variant, samples/s, and the
-    share of the all-reduce time hidden behind backward, 1 - (step - compute) / all-reduce (nan at n = 1); "times"
-    holds each variant's repeats (at n = 1 also "plain", the module without DDP). Raises AssertionError where the
-    replicas' parameters disagree. Rows for helpers.plots.training.scaling, once `add_efficiency` has run."""
-    import statistics
-
-    if not all(torch.equal(r["step"]["params"], ranks[0]["step"]["params"]) for r in ranks):
-        raise AssertionError(f"world size {n}: the replicas drifted apart")
-    t = {m: statistics.median(ranks[0][m]["times"]) for m in ("step", "no_sync", "allreduce")}
-    return {"world_size": n, "samples_per_s": n * per_rank / t["step"], **t,
-            "times": {m: r["times"] for m, r in ranks[0].items()},
-            "rates": [n * per_rank / s for s in ranks[0]["step"]["times"]],
-            "overlap": 1 - max(0.0, t["step"] - t["no_sync"]) / t["allreduce"] if n > 1 else float("nan")}
-
-
-def add_efficiency(rows: list[dict]) -> list[dict]:
-    """T_n / (n T_1) on every row, T_1 the first row's samples/s (the first row must be world size 1)."""
-    if rows[0]["world_size"] != 1:
-        raise ValueError("the first row must be world size 1")
-    for r in rows:
-        r["efficiency"] = r["samples_per_s"] / (r["world_size"] * rows[0]["samples_per_s"])
-    return rows

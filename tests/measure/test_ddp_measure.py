@@ -1,5 +1,5 @@
-"""helpers.measure.ddp: its predictions against DDP itself, its counters against the closed forms; and the measuring
-workers of scripts/train_ddp.py that notebooks 02 and 02b launch."""
+"""helpers.measure.ddp: its counters against the closed forms; and scripts/ddp_bench.py, notebook 02's cells: DDP's
+bucket rule (`bucket_plan`) against DDP itself, and the measuring workers that notebooks 02 and 02b launch."""
 from __future__ import annotations
 
 import functools
@@ -14,8 +14,7 @@ import torch.distributed as dist
 import helpers
 from helpers import devices
 from helpers.measure import ddp as measure_ddp
-from helpers.measure.ddp import (PayloadCounter, bucket_limits, bucket_plan, greedy_buckets, hook_payload_bytes,
-                                 powersgd_values)
+from helpers.measure.ddp import PayloadCounter, hook_payload_bytes, powersgd_values
 from helpers.measure.trace_overlap import is_gpu_comm, is_gpu_compute, overlap_of_trace
 from helpers.paths import SCRIPTS
 
@@ -32,8 +31,9 @@ def _train_ddp():
     return importlib.import_module("ddp_bench")
 
 
-# Notebook 02's model, as its cells define it (scripts/train_ddp.py): the one DigitsMLP of the cookbook
-DigitsMLP = _train_ddp().DigitsMLP
+# Notebook 02's model, as its cells define it (scripts/train_ddp.py): the one DigitsMLP of the cookbook; and its
+# bucket rule (scripts/ddp_bench.py)
+DigitsMLP, bucket_plan = _train_ddp().DigitsMLP, _train_ddp().bucket_plan
 
 
 def test_digits_mlp_shapes():
@@ -42,37 +42,33 @@ def test_digits_mlp_shapes():
     assert sum(p.numel() for p in m.parameters()) == 64 * 32 + 32 + 2 * (32 * 32 + 32) + 32 * 10 + 10
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_greedy_buckets_matches_ddp_assignment(seed):
+@pytest.mark.parametrize("seed", range(8))
+def test_bucket_plan_is_ddps_own_assignment(seed):
+    """The rule against the function DDP's reducer rebuilds its buckets with, on the gradients in ready order (the
+    reverse of registration) and with the caps DDP passes it: the default's small first bucket, or the cap given."""
     rng = random.Random(seed)
     numels = [rng.choice([1, 10, 300, 5000, 70000]) for _ in range(rng.randint(1, 30))]
-    limits = sorted(rng.choice([400, 4000, 40000, 400000]) for _ in range(rng.randint(1, 2)))
-    tensors = [torch.empty(n) for n in numels]
-    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
-    assert greedy_buckets([4 * n for n in numels], limits) == [list(b) for b in theirs]
-
-
-def test_greedy_buckets_rejects_bad_limits():
-    with pytest.raises(ValueError):
-        greedy_buckets([4, 4], [])
-    with pytest.raises(ValueError):
-        greedy_buckets([4, 4], [0])
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.empty(n)) for n in numels])
+    cap = [None, 0.001, 0.01, 0.1, 1, 25][seed % 6]
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20] if cap is None else [int(cap * 2**20)]
+    ready = [torch.empty(n) for n in reversed(numels)]
+    theirs, _ = dist._compute_bucket_assignment_by_size(ready, limits, [False] * len(ready))
+    assert bucket_plan(model, cap) == [sum(4 * ready[i].numel() for i in bucket) for bucket in theirs]
 
 
 def test_bucket_plan_covers_every_parameter_once_and_respects_caps():
     model = DigitsMLP(hidden=512, depth=3)
     total = sum(p.numel() * 4 for p in model.parameters())
-    for cap in (0.01, 0.5, 1, 25, None):
+    largest = max(p.numel() * 4 for p in model.parameters())
+    for cap in (0.01, 0.5, 1, 25):
         plan = bucket_plan(model, cap)
         assert sum(plan) == total
-        limits = bucket_limits(cap)
-        largest = max(p.numel() * 4 for p in model.parameters())
-        # every bucket but the last reached its limit, and none overshoots by more than one tensor
-        for i, size in enumerate(plan[:-1]):
-            assert size >= limits[min(i, len(limits) - 1)]
-        assert all(size < limits[min(i, len(limits) - 1)] + largest for i, size in enumerate(plan))
+        # every bucket but the last reached the cap, and none overshoots by more than one tensor
+        assert all(size >= cap * 2**20 for size in plan[:-1]) and all(size < cap * 2**20 + largest for size in plan)
     assert len(bucket_plan(model, 25)) == 1  # 2.2 MiB fits in one 25 MiB bucket
     assert len(bucket_plan(model, None)) == 2  # ... but the default caps its first bucket at 1 MiB
+    frozen = DigitsMLP(hidden=512, depth=3).requires_grad_(False)
+    assert bucket_plan(frozen, 25) == [], "no gradient, no bucket"
 
 
 def test_powersgd_values():
@@ -278,27 +274,18 @@ def test_loader_throughput_reports_every_setting_and_repeat():
     assert set(rates) == set(settings) and all(len(r) == 2 and min(r) > 0 for r in rates.values())
 
 
-def test_scaling_rows_and_the_plain_step_at_world_size_one():
-    """The plumbing of notebook 02b's weak scaling (its cell launches): the variants, one row per world size, the
-    efficiency; a replica that drifted is refused."""
+def test_scaling_variants_time_the_step_compute_and_buckets_alone_and_the_plain_step_at_world_size_one():
+    """The variants of notebook 02b's weak scaling (its cell launches them and computes the rows): the all-reduce
+    variant reduces the buckets it is given; at world size 1 the plain module runs beside DDP's step."""
     script, model_of = _train_ddp(), functools.partial(DigitsMLP, 32, 2)
-    modes, rows = measure_ddp.scaling_variants(model_of), []
-    assert modes["allreduce"]["bucket_bytes"] == bucket_plan(model_of())
-    for n in (1, 2):
-        variants = {**modes, "plain": {"ddp": None, "params": False}} if n == 1 else modes
-        ranks = helpers.launch(script.run_distributed, script.step_times, model_of, 8, variants, 2, world_size=n,
-                               timeout=120, env=devices.cpu_ranks_env(2, 1), threads=1)
-        rows.append(measure_ddp.scaling_row(n, 8, ranks))
-    measure_ddp.add_efficiency(rows)
-    assert [r["world_size"] for r in rows] == [1, 2] and rows[0]["efficiency"] == 1.0
-    assert rows[1]["efficiency"] == pytest.approx(rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"]))
-    assert set(rows[0]["times"]) == {"step", "no_sync", "allreduce", "plain"} and "plain" not in rows[1]["times"]
-    assert all(r["samples_per_s"] > 0 and len(r["rates"]) == 2 for r in rows)
-    drifted = [ranks[0], {**ranks[1], "step": {**ranks[1]["step"], "params": ranks[1]["step"]["params"] + 1}}]
-    with pytest.raises(AssertionError, match="drifted"):
-        measure_ddp.scaling_row(2, 8, drifted)
-    with pytest.raises(ValueError):
-        measure_ddp.add_efficiency(rows[1:])
+    modes = measure_ddp.scaling_variants(bucket_plan(model_of()))
+    assert set(modes) == {"step", "no_sync", "allreduce"} and modes["allreduce"]["bucket_bytes"] == bucket_plan(model_of())
+    ranks = helpers.launch(script.run_distributed, script.step_times, model_of, 8,
+                           {**modes, "plain": {"ddp": None, "params": False}}, 2, world_size=1, timeout=120,
+                           env=devices.cpu_ranks_env(1, 1), threads=1)
+    assert set(ranks[0]) == {"step", "no_sync", "allreduce", "plain"}
+    assert all(len(v["times"]) == 2 and min(v["times"]) > 0 for v in ranks[0].values())
+    assert "params" in ranks[0]["step"] and "params" not in ranks[0]["no_sync"], "only the DDP step's come back"
 
 
 def test_expected_payload_counts_powersgd_warm_up_steps_as_plain_fp32():
