@@ -1,4 +1,4 @@
-"""Measuring mixed precision honestly: what the hardware offers, the matmul ceiling, GradScaler's arithmetic.
+"""Measuring mixed precision honestly: what the hardware offers, the matmul ceiling, the tables of a GradScaler run.
 
 Why a module: a speed-up claimed for AMP or TF32 means nothing without the hardware it ran on and without the
 ceiling the same hardware sets. A step can gain at most what its matmuls gain (plus up to 2x on memory-bound ops
@@ -116,28 +116,6 @@ def matmul_error(device, dtype: torch.dtype, set_fp32_precision, n: int = 512, p
     set_fp32_precision(precision)
     c = (a64.to(device=device, dtype=dtype) @ b64.to(device=device, dtype=dtype)).double().cpu()
     return float((c - exact).abs().max() / exact.abs().max())
-
-
-def scale_trajectory(init_scale: float, found_inf: list[bool], growth_factor: float = 2.0,
-                     backoff_factor: float = 0.5, growth_interval: int = 2000) -> list[float]:
-    """The loss scale GradScaler uses at each step, in closed form, given which steps overflowed.
-
-    The rule of `GradScaler.update`: an overflow multiplies the scale by `backoff_factor` and restarts the count;
-    `growth_interval` consecutive clean steps multiply it by `growth_factor`. Returns one scale per step (the
-    one that step's loss was multiplied by), so it can be compared with what the real scaler did.
-    """
-    scales, scale, clean = [], float(init_scale), 0
-    for overflow in found_inf:
-        scales.append(scale)
-        if overflow:
-            scale *= backoff_factor
-            clean = 0
-        else:
-            clean += 1
-            if clean == growth_interval:
-                scale *= growth_factor
-                clean = 0
-    return scales
 
 
 # ---- Measuring machinery notebook 05's benchmark worker is handed: timing and ceilings (its TF32 switch is its own). ----

@@ -11,31 +11,6 @@ from helpers.measure import precision as amp_bench
 CPU = torch.device("cpu")
 
 
-def test_scale_trajectory_matches_a_real_gradscaler():
-    # Drive torch's GradScaler with gradients we make finite or infinite on purpose, and compare its scale
-    # with the closed form at every step.
-    w = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.SGD([w], lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
-    pattern = [True, False, False, False, False, True, False, False, False, True, True, False]
-    seen = []
-    for overflow in pattern:
-        seen.append(scaler.get_scale())
-        loss = (w * (float("inf") if overflow else 1.0)).sum()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-    assert seen == amp_bench.scale_trajectory(2.0 ** 10, pattern, growth_interval=3)
-
-
-def test_scale_trajectory_rules():
-    assert amp_bench.scale_trajectory(8.0, [True, True]) == [8.0, 4.0]
-    assert amp_bench.scale_trajectory(1.0, [False] * 5, growth_interval=2) == [1.0, 1.0, 2.0, 2.0, 4.0]
-    # an overflow restarts the count of clean steps
-    assert amp_bench.scale_trajectory(1.0, [False, True, False, False], growth_interval=2) == [1.0, 1.0, 0.5, 0.5]
-
-
 def test_matmul_flops_is_a_plausible_rate_and_sets_each_configs_precision_before_its_bursts():
     configs = {"fp32": (torch.float32, "ieee"), "tf32": (torch.float32, "tf32"), "bf16": (torch.bfloat16, "ieee")}
     asked = []
