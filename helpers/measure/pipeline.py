@@ -1,16 +1,15 @@
-"""A pipeline schedule's bubble, counted from the order of actions it really ran, and the bytes it keeps for backward.
+"""The records of a pipeline schedule's actions turned into rows to print and plot: the order each rank ran, the
+idle time measured on the clock, the schedule's own IR beside it, the bytes kept for backward.
 
-Why count from the executed order: `torch.distributed.pipelining` schedules describe themselves in an IR
+Why from the executed order: `torch.distributed.pipelining` schedules describe themselves in an IR
 (`schedule.pipeline_order`, with `None` for idle slots), but for the single-stage schedules (`ScheduleGPipe`,
 `Schedule1F1B`) that IR is only a drawing: their `step` runs its own loop, and in torch 2.13 the IR of
 `Schedule1F1B` even names micro-batch 1 first on the last stage. What a schedule does is the sequence of
-`forward_one_chunk` / `backward_one_chunk` (/ `backward_weight_one_chunk`) calls each stage makes, so
-`record_actions` (notebook 08's cell, the recipe's scripts/train/pipeline.py) wraps those methods of a
-`PipelineStage` and records (stage, 'F' or 'B', micro-batch, start, end) as they run ('I' and 'W' for the input and
-weight halves of a backward the zero-bubble schedules split). `replay` then puts each rank's sequence on a clock
-where every action takes one slot (or the costs given) and each action waits for the one it depends on (F of a
-micro-batch on the previous stage, B on the next stage): the idle slots it counts are the schedule's bubble, to
-compare with the closed form (p - 1)/(v·m + p - 1). The recorded times give the measured idle time.
+`forward_one_chunk` / `backward_one_chunk` (/ `backward_weight_one_chunk`) calls each stage makes, which
+`record_actions` records as (stage, 'F' or 'B', micro-batch, start, end) ('I' and 'W' for the input and weight
+halves of a backward the zero-bubble schedules split). Counting the bubble from that order is the lesson, and lives
+in notebook 08's cells (the recipe's scripts/train/pipeline.py: `record_actions`, `depends_on`, `replay`,
+`bubble_formula`); this module only tabulates what the ranks sent back.
 
 The bytes a schedule keeps for backward are counted by `helpers.measure.activations.LiveSavedBytes` (the
 activation memory that distinguishes GPipe, all m micro-batches in flight, from 1F1B, at most p - s on stage s).
@@ -18,69 +17,9 @@ activation memory that distinguishes GPipe, all m micro-batches in flight, from 
 from __future__ import annotations
 
 import statistics
+from typing import Callable
 
-import torch
-
-Action = tuple  # (stage, kind 'F' or 'B', micro-batch)
-
-
-def bubble_formula(stages: int, microbatches: int, chunks_per_rank: int = 1) -> float:
-    """Idle fraction of a synchronous pipeline step with equal stages: (p - 1)/(v·m + p - 1), p = ranks."""
-    p = stages // chunks_per_rank
-    return (p - 1) / (chunks_per_rank * microbatches + p - 1)
-
-
-def _ready(done: dict, stage: int, kind: str, mb: int, last_stage: int):
-    """When the action's dependency finished (0.0 if it has none), or None if it has not run yet. F(s) waits for
-    F(s-1); a backward of the input (B or I) for that of the next stage, or on the last stage for its own F; W for
-    its own stage's I."""
-    if kind == "F":
-        return done.get((stage - 1, "F", mb)) if stage > 0 else 0.0
-    if kind == "W":
-        return done.get((stage, "I", mb))
-    if stage == last_stage:
-        return done.get((stage, "F", mb))
-    after = done.get((stage + 1, "B", mb))
-    return after if after is not None else done.get((stage + 1, "I", mb))
-
-
-def replay(orders: dict[int, list[Action]], forward_cost: float = 1.0, backward_cost: float = 1.0) -> dict:
-    """Run each rank's actions in its order on a shared clock, each waiting for what it depends on.
-
-    orders: {rank: [(stage, 'F', 'B', 'I' or 'W', micro-batch), ...]} in the order the rank executed them.
-    Dependencies: F(s, mb) after F(s-1, mb); B or I(s, mb) after B or I(s+1, mb), or after F(s, mb) on the last
-    stage; W(s, mb) after I(s, mb). Costs: F `forward_cost`, B `backward_cost`, I and W half of it each (the zero
-    bubble papers' T_F = T_B = T_W is forward_cost 1, backward_cost 2).
-    Returns {'makespan', 'busy': {rank: time}, 'idle': {rank: time}, 'idle_fraction'}. Raises ValueError when no
-    rank can proceed (an order that cannot run).
-    """
-    last_stage = max(a[0] for acts in orders.values() for a in acts)
-    cost = {"F": forward_cost, "B": backward_cost, "I": backward_cost / 2, "W": backward_cost / 2}
-    done: dict[Action, float] = {}
-    clock = {r: 0.0 for r in orders}
-    busy = {r: 0.0 for r in orders}
-    position = {r: 0 for r in orders}
-    remaining = sum(len(a) for a in orders.values())
-    while remaining:
-        progressed = False
-        for r, acts in orders.items():
-            while position[r] < len(acts):
-                stage, kind, mb = acts[position[r]]
-                ready = _ready(done, stage, kind, mb, last_stage)
-                if ready is None:
-                    break
-                done[(stage, kind, mb)] = clock[r] = max(clock[r], ready) + cost[kind]
-                busy[r] += cost[kind]
-                position[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: acts[position[r]] for r, acts in orders.items() if position[r] < len(acts)}
-            raise ValueError(f"no rank can proceed; next actions: {stuck}")
-    makespan = max(clock.values())
-    idle = {r: makespan - busy[r] for r in orders}
-    return {"makespan": makespan, "busy": busy, "idle": idle,
-            "idle_fraction": sum(idle.values()) / (len(orders) * makespan)}
+Action = tuple  # (stage, kind 'F', 'B', 'I' or 'W', micro-batch)
 
 
 def orders_from_log(logs: dict[int, list[tuple]]) -> dict[int, list[Action]]:
@@ -114,41 +53,36 @@ def measured_idle_fraction(logs: dict[int, list[tuple]]) -> float:
     return 1.0 - busy / (len(logs) * step_seconds(logs))
 
 
-def summarize_runs(results: list[dict], backward_cost: float = 1.0) -> list[dict]:
-    """Per-rank results of a bubble sweep -> one row per (schedule, m), what the notebook prints, plots and asserts.
+def summarize_runs(results: list[dict]) -> list[dict]:
+    """Per-rank results of a bubble sweep -> one row per (schedule, m), to count, print and plot.
 
     results: one dict per rank, {'rank', 'runs': [{'schedule', 'm', 'stages' (this rank's stage indices), 'logs'
     (one `record_actions` log per measured step), 'peak_saved' (bytes), 'ir' ({rank: [str(action)]})}]}, the runs
     in the same order on every rank. Each row: schedule, m, p (ranks), v (stages per rank); 'orders' executed in
-    the last step; 'counted' (its replayed idle fraction, a backward costing `backward_cost` forwards) beside
-    'formula' (1F1B's); 'measured' idle fraction and 'step_s'
-    (medians over the steps); 'events' {rank: [(start_s, end_s, 'F0')]} of the last step; 'peak_saved' {rank:
-    bytes}; 'ir' (the schedule's own order, parsed)."""
+    the last step ({rank: [(stage, kind, mb)]}, what notebook 08's `replay` counts); 'measured' idle fraction and
+    'step_s' (medians over the steps); 'events' {rank: [(start_s, end_s, 'F0')]} of the last step; 'peak_saved'
+    {rank: bytes}; 'ir' (the schedule's own order, parsed)."""
     rows = []
     for i, run in enumerate(results[0]["runs"]):
-        p, v, m = len(results), len(run["stages"]), run["m"]
         steps = [{r["rank"]: r["runs"][i]["logs"][k] for r in results} for k in range(len(run["logs"]))]
-        orders = orders_from_log(steps[-1])
         rows.append({
-            "schedule": run["schedule"], "m": m, "p": p, "v": v, "orders": orders,
-            "counted": replay(orders, backward_cost=backward_cost)["idle_fraction"],
-            "formula": bubble_formula(p * v, m, v),
+            "schedule": run["schedule"], "m": run["m"], "p": len(results), "v": len(run["stages"]),
+            "orders": orders_from_log(steps[-1]),
             "measured": statistics.median(measured_idle_fraction(s) for s in steps),
             "step_s": statistics.median(step_seconds(s) for s in steps),
             "events": {rank: [(e[3], e[4], f"{e[1]}{e[2]}") for e in sorted(log, key=lambda e: e[3])]
                        for rank, log in steps[-1].items()},
             "peak_saved": {r["rank"]: r["runs"][i]["peak_saved"] for r in results},
-            "ir": orders_from_ir(run["ir"]), "backward_cost": backward_cost,
+            "ir": orders_from_ir(run["ir"]),
         })
     return rows
 
 
-def ir_report(row: dict) -> str:
-    """Whether a schedule's own IR (`pipeline_order`) is the order it executed, what the IR replays to, and where
-    they differ, as lines to print."""
+def ir_report(row: dict, count: Callable[[dict], float]) -> str:
+    """Whether a schedule's own IR (`pipeline_order`) is the order it executed, the idle fraction `count` gives the
+    IR (notebook 08's replay: ValueError for an order that cannot run), and where they differ, as lines to print."""
     try:
-        fraction = replay(row["ir"], backward_cost=row.get("backward_cost", 1.0))["idle_fraction"]
-        replayed = f"replays to {fraction:.4f}"
+        replayed = f"replays to {count(row['ir']):.4f}"
     except ValueError as exc:
         replayed = f"cannot be replayed ({exc})"
     differ = [r for r in row["orders"] if row["ir"].get(r) != row["orders"][r]]
@@ -161,8 +95,9 @@ def ir_report(row: dict) -> str:
 
 
 def bubble_table(rows: list[dict]) -> str:
-    """Each (schedule, m)'s idle fraction of a step three ways: counted from the order the schedule executed,
-    the formula (p - 1)/(v·m + p - 1), and measured from the recorded times. rows: `summarize_runs` rows."""
+    """Each (schedule, m)'s idle fraction of a step three ways: 'counted' from the order the schedule executed,
+    the 'formula' (p - 1)/(v·m + p - 1), and 'measured' from the recorded times. rows: `summarize_runs` rows with
+    the first two added (notebook 08's cells count them)."""
     lines = [f"p = {rows[0]['p']} ranks; idle fraction of a step (counted from the executed order | formula | "
              "measured here)"]
     lines += [f"{row['schedule']:<12} m = {row['m']:>2}: {row['counted']:.4f} | {row['formula']:.4f} | "

@@ -1,5 +1,6 @@
-"""Figures of notebooks 07 and 08 (tensor, 2-D and pipeline parallelism): where shards live, what a strategy
-costs per step, and a pipeline's bubble.
+"""Figures of notebooks 07, 08 and 08b (tensor, 2-D, pipeline, context and expert parallelism): where shards live,
+what a strategy costs per step, a pipeline's bubble, the activation memory per rank against the sequence length, and
+the bytes of each all-to-all.
 
 Each function takes what the workers measured (plain dicts and lists) and the formula to draw beside it; none
 measures.
@@ -89,15 +90,19 @@ def bubble(rows: list[dict]):
     """Idle fraction of a pipeline step against the number of micro-batches m: the schedules' counted bubble, the
     formula (p - 1)/(m + p - 1) (or its interleaved form), and the measured idle time as points.
 
-    rows: {'schedule', 'm', 'counted', 'formula', 'measured' (or None)}.
+    rows: {'schedule', 'm', 'counted', 'formula' (None for a schedule it does not describe, the zero-bubble ones),
+    'measured' (or None)}.
     """
     fig, (ax,) = new_figure(width=6.4, height=3.6)
     for i, name in enumerate(dict.fromkeys(r["schedule"] for r in rows)):
         mine = sorted((r for r in rows if r["schedule"] == name), key=lambda r: r["m"])
         color = _RANK_COLORS[i % len(_RANK_COLORS)]
         ms = [r["m"] for r in mine]
-        ax.plot(ms, [r["formula"] for r in mine], color=color, lw=1, ls="--")
-        ax.plot(ms, [r["counted"] for r in mine], "o", color=color, mfc="none", label=f"{name}: counted (formula dashed)")
+        described = [(r["m"], r["formula"]) for r in mine if r.get("formula") is not None]
+        if described:
+            ax.plot(*zip(*described), color=color, lw=1, ls="--")
+        ax.plot(ms, [r["counted"] for r in mine], "o", color=color, mfc="none",
+                label=f"{name}: counted" + (" (formula dashed)" if described else ""))
         measured = [(r["m"], r["measured"]) for r in mine if r.get("measured") is not None]
         if measured:
             ax.plot(*zip(*measured), "x", color=color, ms=7, label=f"{name}: measured idle time")
@@ -160,4 +165,48 @@ def bubble_step(row: dict, sweep: list[dict] = ()):
     right.set_ylabel("idle fraction of the step")
     right.set_title(f"{row['schedule']}: the bubble", fontsize=10)
     right.legend(fontsize=7)
+    return fig
+
+
+def memory_against_length(lengths: list[int], measured: dict[str, list[float]], predicted: dict[str, list[float]],
+                          unit: float = 2**20, unit_name: str = "MiB"):
+    """Bytes one rank saves for backward against the sequence length: each series measured (points) and its
+    prediction (a dashed line), e.g. one rank alone and each of N context-parallel ranks.
+
+    lengths: the sequence lengths; measured, predicted: {label: one value per length}.
+    """
+    fig, (ax,) = new_figure(width=6.0, height=3.6)
+    for i, (label, values) in enumerate(measured.items()):
+        color = _RANK_COLORS[i % len(_RANK_COLORS)]
+        ax.plot(lengths, [v / unit for v in values], "o", color=color, label=f"{label}: measured")
+        if label in predicted:
+            ax.plot(lengths, [v / unit for v in predicted[label]], color=color, lw=1, ls="--",
+                    label=f"{label}: predicted")
+    ax.set_xlabel("sequence length S (tokens)")
+    ax.set_ylabel(f"saved for backward per rank ({unit_name})")
+    ax.set_ylim(bottom=0)
+    ax.set_title("activation memory per rank", fontsize=10)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def call_bytes(per_rank: dict[int, list[int]], formula: dict[int, list[int]], calls: list[str],
+               title: str = "bytes of each all-to-all"):
+    """The bytes of each call of a sequence (the all-to-alls of one step, in order), one bar per rank, with the
+    formula's bytes as a black tick on each bar.
+
+    per_rank, formula: {rank: one value per call}; calls: a label per call.
+    """
+    width = 0.8 / max(1, len(per_rank))
+    fig, (ax,) = new_figure(width=max(6.0, 0.45 * len(calls) * max(1, len(per_rank))), height=3.6)
+    for k, (rank, values) in enumerate(sorted(per_rank.items())):
+        xs = [i + (k - (len(per_rank) - 1) / 2) * width for i in range(len(values))]
+        ax.bar(xs, [v / 1024 for v in values], width, color=_RANK_COLORS[rank % len(_RANK_COLORS)],
+               label=f"rank {rank}: measured")
+        ax.plot(xs, [v / 1024 for v in formula[rank]], "_", color="black", ms=12, mew=2,
+                label="formula" if k == 0 else None)
+    ax.set_xticks(range(len(calls)), calls, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("KiB handed to the call")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
     return fig

@@ -2,8 +2,8 @@
 #   notebooks/08_pipeline_parallel.ipynb
 # In the cookbook `./cookbook export` writes this file from those cells: edit the cells there.
 # Copied into your project, it is yours to edit.
-"""The pipeline split: this rank's stage of the model, its PipelineStage, a schedule, and a record of what the
-schedule ran."""
+"""The pipeline split: this rank's stage of the model, its PipelineStage, a schedule, a record of what the schedule
+ran, and the bubble counted from that record."""
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -114,3 +114,53 @@ def record_actions(stage, log: list) -> None:
     stage.forward_one_chunk = recorded("F", stage.forward_one_chunk)
     stage.backward_one_chunk = recorded("B", stage.backward_one_chunk)
     stage.backward_weight_one_chunk = recorded("W", stage.backward_weight_one_chunk)
+
+
+def bubble_formula(p: int, m: int, v: int = 1) -> float:
+    """The idle fraction of a pipeline step with equal stages: p ranks, v stages each, m micro-batches. Filling and
+    draining the pipe cost p - 1 slots against v·m slots of work: (p - 1)/(v·m + p - 1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def depends_on(action: tuple, last_stage: int) -> list[tuple]:
+    """The actions one of which must have finished before `action` (stage, kind, micro-batch) can start. A forward
+    needs the previous stage's forward of its micro-batch. A backward of the input (B, or I where the backward is
+    split) needs the next stage's (B or I), and on the last stage its own forward: the loss. W, the weights' half,
+    needs its own stage's I."""
+    stage, kind, mb = action
+    if kind == "F":
+        return [(stage - 1, "F", mb)] if stage > 0 else []
+    if kind == "W":
+        return [(stage, "I", mb)]
+    if stage == last_stage:
+        return [(stage, "F", mb)]
+    return [(stage + 1, "B", mb), (stage + 1, "I", mb)]
+
+
+def replay(orders: dict, forward_cost: float = 1.0, backward_cost: float = 1.0) -> dict:
+    """Run each rank's actions in the order it executed them ({rank: [(stage, kind, mb)]}) on one clock: an action
+    starts when its rank is free and what it depends on has finished. F costs `forward_cost`, B `backward_cost`,
+    I and W half of B each. Returns the step's length ('makespan') and the share of rank-slots idle
+    ('idle_fraction'); ValueError for an order that cannot run (no rank can take its next action)."""
+    last_stage = max(stage for actions in orders.values() for stage, _, _ in actions)
+    cost = {"F": forward_cost, "B": backward_cost, "I": backward_cost / 2, "W": backward_cost / 2}
+    done, clock = {}, {rank: 0.0 for rank in orders}
+    position, busy = {rank: 0 for rank in orders}, {rank: 0.0 for rank in orders}
+    while any(position[r] < len(actions) for r, actions in orders.items()):
+        progressed = False
+        for rank, actions in orders.items():
+            while position[rank] < len(actions):
+                action = actions[position[rank]]
+                needs = depends_on(action, last_stage)
+                finished = [done[a] for a in needs if a in done]
+                if needs and not finished:
+                    break                                     # this rank waits; try the next one
+                done[action] = clock[rank] = max([clock[rank], *finished]) + cost[action[1]]
+                busy[rank] += cost[action[1]]
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: a[position[r]] for r, a in orders.items() if position[r] < len(a)}
+            raise ValueError(f"no rank can proceed; next actions: {stuck}")
+    makespan = max(clock.values())
+    return {"makespan": makespan, "idle_fraction": sum(makespan - b for b in busy.values()) / (len(orders) * makespan)}

@@ -39,6 +39,32 @@ def test_step_times_bubble_and_timeline():
     assert len(fig.axes[0].patches) == 3
 
 
+def test_bubble_draws_no_formula_for_a_schedule_it_does_not_describe():
+    rows = [{"schedule": "interleaved", "m": m, "counted": 0.2, "formula": 0.2, "measured": 0.3} for m in (2, 4)] + \
+        [{"schedule": "zbv", "m": m, "counted": 0.1, "formula": None, "measured": 0.25} for m in (2, 4)]
+    lines = parallel_plots.bubble(rows).axes[0].lines
+    assert len(lines) == 5  # interleaved: formula, counted, measured; zbv: counted, measured
+    assert [list(line.get_ydata()) for line in lines[3:]] == [[0.1, 0.1], [0.25, 0.25]]
+
+
+def test_memory_against_length_draws_each_series_and_its_prediction():
+    fig = parallel_plots.memory_against_length([64, 128, 256], {"one rank": [2**20, 2**21, 2**22],
+                                                                "each of 2": [2**19, 2**20, 2**21]},
+                                               {"one rank": [2**20, 2**21, 2**22]})
+    measured_one, predicted_one, measured_each = fig.axes[0].lines
+    assert list(measured_one.get_xdata()) == [64, 128, 256] and list(measured_one.get_ydata()) == [1, 2, 4]
+    assert predicted_one.get_linestyle() == "--" and list(measured_each.get_ydata()) == [0.5, 1, 2]
+
+
+def test_call_bytes_one_bar_per_rank_and_call_with_the_formula_ticked():
+    fig = parallel_plots.call_bytes({0: [1024, 2048, 4096], 1: [1024, 3072, 2048]},
+                                    {0: [1024, 2048, 4096], 1: [1024, 3072, 1024]}, ["counts", "dispatch", "combine"])
+    ax = fig.axes[0]
+    assert len(ax.patches) == 6 and [p.get_height() for p in ax.patches[3:]] == [1, 3, 2]
+    assert [list(line.get_ydata()) for line in ax.lines] == [[1, 2, 4], [1, 3, 1]]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["counts", "dispatch", "combine"]
+
+
 def test_bubble_step_draws_the_step_and_the_formula_beside_the_sweep():
     row = {"schedule": "gpipe", "m": 2, "p": 2, "v": 1, "counted": 1 / 3, "formula": 1 / 3, "measured": 0.5,
            "events": {0: [(0.0, 1.0, "F0"), (1.0, 2.0, "F1")], 1: [(1.0, 2.0, "F0")]}}
