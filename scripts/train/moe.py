@@ -45,9 +45,11 @@ class MoE(nn.Module):
     (no capacity limit, so nothing is dropped and the result does not depend on the batch's other tokens). The
     router's softmax probabilities of the k chosen experts, renormalized to sum to 1, weight their outputs (Mixtral).
     After each forward, `aux_loss` holds Switch Transformer's load-balancing loss, n_experts x sum over experts of
-    (share of the assignments it got) x (its mean router probability): 1 when the load is even, up to n_experts
-    when one expert gets everything (add it to the loss, `moe_aux_loss`: until a backward uses it, it keeps the
-    router's graph alive); `tokens_per_expert` the assignments each expert got."""
+    (share of the assignments it got) x (its mean router probability): 1 when the load is even, at most
+    n_experts / top_k (a token's k choices are k different experts, so a share is at most 1/k, and the mean
+    probabilities sum to 1), approached when every token gives nearly all its probability to the same k experts.
+    Add it to the loss (`moe_aux_loss`: until a backward uses it, it keeps the router's graph alive);
+    `tokens_per_expert` holds the assignments each expert got."""
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int):
         super().__init__()

@@ -59,6 +59,27 @@ def test_the_load_balancing_loss_is_one_when_even_and_n_experts_when_one_expert_
     assert moe.aux_loss.item() == pytest.approx(4.0, abs=1e-6)      # E x (1 x 1)
 
 
+def test_the_load_balancing_loss_is_at_most_n_experts_over_top_k():
+    """A token's k choices are k different experts, so an expert's share of the assignments is at most 1/k; the mean
+    probabilities sum to 1: the loss is at most E/k, and near it when every token sends its probability to the
+    same k experts."""
+    moe = _moe(n_experts=8, top_k=2)
+    x = torch.zeros(64, 16, dtype=torch.float64)
+    x[:, 0] = 1.0
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:2, 0] = 30.0                  # experts 0 and 1 outbid the rest on every token
+    moe(x)
+    assert moe.tokens_per_expert.tolist() == [64, 64, 0, 0, 0, 0, 0, 0]
+    assert moe.aux_loss.item() == pytest.approx(8 / 2, rel=1e-9)      # E x (1/2 x 1/2 + 1/2 x 1/2)
+    for seed in range(20):                               # routers of every spread, tokens of every kind
+        moe = _moe(n_experts=8, top_k=2, seed=seed)
+        with torch.no_grad():
+            moe.router.weight.mul_(10.0 * seed)
+        moe(torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
+        assert 0 < moe.aux_loss.item() <= 8 / 2 + 1e-12
+
+
 def test_top_k_outside_one_to_n_experts_is_refused():
     with pytest.raises(ValueError, match="top_k 5 must be between 1 and n_experts 4"):
         MoE(8, 8, 4, 5)
