@@ -5,9 +5,18 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers.plots import parallel as parallel_plots  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Each test's figures closed after it: pyplot keeps every figure open until told, and warns past twenty."""
+    yield
+    plt.close("all")
 
 
 def _two_by_two():
