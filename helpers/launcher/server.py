@@ -58,7 +58,8 @@ READ_LATER = ("TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_", "TORCH_FR_", "TORCHELAST
 # replaced.
 WORKER_MODULES = ("server_loop.py", "rank.py", "protocol.py", "run_folder.py", "errors.py", "rendezvous.py",
                   "sessions.py")
-READY_TIMEOUT_S = 300.0  # importing torch on a loaded 2-core machine can take a while
+READY_TIMEOUT_S = 900.0  # importing torch took up to 45 s on a 2-core machine at a load of 16: 20x that; a dead
+#                         server ends the wait at once (its socket closes), so only a hung one waits this long
 
 
 def import_time_environment(env: dict) -> dict:
