@@ -116,3 +116,24 @@ def collective_bytes(rows: list[tuple[str, str, float]], title: str):
     ax.set_xlabel("MiB per step, per rank")
     ax.set_title(title)
     return fig
+
+
+def float8_losses(curves: dict[str, list[float]], reference: str = "bf16"):
+    """Loss curves of the same run in bf16 and in each float8 recipe (notebook 05's float8 section), and each float8
+    curve's distance from the reference, step by step."""
+    fig, (ax_loss, ax_diff) = new_figure(2, width=5.0)
+    for mode, losses in curves.items():
+        steps = range(1, len(losses) + 1)
+        ax_loss.plot(steps, losses, label=mode)
+        if mode != reference:
+            ax_diff.plot(steps, [a - b for a, b in zip(losses, curves[reference])], label=f"{mode} - {reference}")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("training loss (rank 0's batches)")
+    ax_loss.set_title("the same run, three precisions")
+    ax_loss.legend(fontsize=8)
+    ax_diff.axhline(0.0, color="tab:gray", linewidth=0.8)
+    ax_diff.set_xlabel("step")
+    ax_diff.set_ylabel(f"loss minus {reference}'s")
+    ax_diff.set_title("what float8's rounding moved")
+    ax_diff.legend(fontsize=8)
+    return fig

@@ -30,6 +30,9 @@ def test_precision_figures():
     rows = [("DDP: all-reduce", "float32", 4e6), ("FSDP: all-gather", "bfloat16", 2e6)]
     fig = precision.collective_bytes(rows, "t")
     assert [p.get_width() for p in fig.axes[0].patches] == [4e6 / 2 ** 20, 2e6 / 2 ** 20]
+    fig = precision.float8_losses({"bf16": [3.0, 2.0], "tensorwise": [3.1, 2.0], "rowwise": [2.9, 2.5]})
+    assert len(fig.axes[0].lines) == 3 and len(fig.axes[1].lines) == 3   # 2 differences + the zero line
+    assert list(fig.axes[1].lines[1].get_ydata()) == [2.9 - 3.0, 2.5 - 2.0]   # rowwise minus bf16
 
 
 def test_checkpoint_figures():

@@ -49,6 +49,7 @@ LOSS_RTOL = 1e-5
 PARALLEL = 3          # torchrun jobs at once: their start (importing torch) waits on I/O as much as on the cores
 SELFTEST_PARALLEL = 2
 ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata", "safetensors", "tokenizers"}
+OPTIONAL_THIRD_PARTY = {"torchao": "float8.py"}    # imported inside that module's functions, for --float8 only
 TOKENIZER_VOCAB = 512
 PROMPT = "The with statement"
 LAYERS4 = ["--n-layers", "4", "--accum", "4"]   # 4 stages of one block each for the two-stages-per-rank schedules
@@ -501,8 +502,12 @@ def test_the_recipe_imports_only_torch_numpy_torchdata_the_standard_library_and_
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
     own = {p.stem for p in RECIPE.glob("*.py")}
-    foreign = sorted(m for m in imported if m not in sys.stdlib_module_names | ALLOWED_THIRD_PARTY | own)
+    optional = {m for m, home in OPTIONAL_THIRD_PARTY.items() if home == module}
+    foreign = sorted(m for m in imported if m not in sys.stdlib_module_names | ALLOWED_THIRD_PARTY | own | optional)
     assert foreign == [], f"{module} imports {foreign}"
+    at_top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    at_top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    assert not at_top & optional, f"{module} imports {sorted(at_top & optional)} at the top: a run without it fails"
 
 
 def test_an_hf_export_opens_in_transformers_and_gives_the_recipes_logits(runs, workspace):
