@@ -63,6 +63,19 @@ def mixed_peak(float8_share: float, float8_peak: float, other_peak: float) -> fl
     return 1.0 / (float8_share / float8_peak + (1.0 - float8_share) / other_peak)
 
 
+def float8_datasheet_peak(device_name: str, other_dtype: str, float8_share: float) -> tuple[float, str] | None:
+    """(the peak a float8 step's MFU is measured against, its source): `float8_share` of the FLOPs at the device's
+    dense float8 datasheet peak, the rest at `other_dtype`'s (hardware.py's table); None where a row lacks either."""
+    import hardware
+
+    float8, other = hardware.datasheet_peak(device_name, "float8"), hardware.datasheet_peak(device_name, other_dtype)
+    if float8 is None or other is None:
+        return None
+    return mixed_peak(float8_share, float8[0], other[0]), (f"{float8_share:.0%} of the FLOPs (the float8 linears') "
+                                                           f"at the float8 datasheet peak, the rest at {other_dtype}'s "
+                                                           f"({float8[1]})")
+
+
 def check_float8_device(name: str, capability: tuple[int, int], rocm: bool = False) -> None:
     """ValueError (one line) on a GPU without float8 tensor cores: NVIDIA below compute capability 8.9 (A100 8.0,
     A10 8.6, V100 7.0, T4 7.5), AMD before MI300 (gfx942, reported as 9.4)."""
