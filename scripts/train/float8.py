@@ -80,9 +80,10 @@ def check_float8_device(name: str, capability: tuple[int, int], rocm: bool = Fal
     """ValueError (one line) on a GPU without float8 tensor cores: NVIDIA below compute capability 8.9 (A100 8.0,
     A10 8.6, V100 7.0, T4 7.5), AMD before MI300 (gfx942, reported as 9.4)."""
     floor = FLOAT8_CAPABILITY["rocm" if rocm else "cuda"]
+    first = "MI300" if rocm else "L4, L40S, H100, H200, B200"
     if tuple(capability) < floor:
         raise ValueError(f"--float8: {name} (compute capability {capability[0]}.{capability[1]}) has no float8 tensor "
-                         f"cores; they start at {floor[0]}.{floor[1]} ({'MI300' if rocm else 'L4, L40S, H100, H200, B200'})")
+                         f"cores; they start at {floor[0]}.{floor[1]} ({first})")
 
 
 def has_float8_cores(device) -> bool:
