@@ -14,29 +14,30 @@ import re
 import time
 
 # Dense (no 2:4 sparsity) peak TFLOP/s per dtype, from each vendor's datasheet ("bf16" = BF16/FP16 tensor cores,
-# "tf32" = TF32 tensor cores, "fp32" = FP32 without tensor cores). Datasheets print the sparse figure for tensor
-# cores: half of it is the dense one. A device name matches the first pattern found in it.
+# "tf32" = TF32 tensor cores, "fp32" = FP32 without tensor cores, "float8" = FP8 tensor cores where a GPU has them).
+# Datasheets print the sparse figure for tensor cores: half of it is the dense one. A device name matches the first
+# pattern found in it.
 DATASHEET_TFLOPS = [
-    (r"H100.*PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2},
-     "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (1,513 / 756 TFLOPS with sparsity)"),
-    (r"H100|GH200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-     "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (1,979 / 989 TFLOPS with sparsity)"),
-    (r"H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-     "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (1,979 / 989 TFLOPS with sparsity)"),
+    (r"H100.*PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2, "float8": 1513.0},
+     "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (1,513 / 756 TFLOPS with sparsity; FP8 3,026)"),
+    (r"H100|GH200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9, "float8": 1978.9},
+     "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (1,979 / 989 TFLOPS with sparsity; FP8 3,958)"),
+    (r"H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9, "float8": 1978.9},
+     "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (1,979 / 989 TFLOPS with sparsity; FP8 3,958)"),
     (r"A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
      "NVIDIA A100 Tensor Core GPU datasheet (624 / 312 TFLOPS with sparsity)"),
-    (r"L40S", {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6},
-     "NVIDIA L40S datasheet (733 / 366 TFLOPS with sparsity)"),
-    (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3},
-     "NVIDIA L4 Tensor Core GPU datasheet (242 / 120 TFLOPS with sparsity)"),
-    (r"MI300X", {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4},
-     "AMD Instinct MI300X data sheet (peak dense BF16, TF32, FP32 matrix)"),
+    (r"L40S", {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6, "float8": 733.0},
+     "NVIDIA L40S datasheet (733 / 366 TFLOPS with sparsity; FP8 1,466)"),
+    (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3, "float8": 242.5},
+     "NVIDIA L4 Tensor Core GPU datasheet (242 / 120 TFLOPS with sparsity; FP8 485)"),
+    (r"MI300X", {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4, "float8": 2614.9},
+     "AMD Instinct MI300X data sheet (peak dense BF16, TF32, FP32, FP8 matrix)"),
 ]
 
 
 def datasheet_peak(device_name: str, dtype: str) -> tuple[float, str] | None:
-    """(peak FLOP/s, its source) of one device of this name in `dtype` ("bf16", "tf32", "fp32"), or None where
-    the table has no row (a CPU, an unlisted GPU)."""
+    """(peak FLOP/s, its source) of one device of this name in `dtype` ("bf16", "tf32", "fp32", "float8"), or None
+    where the table has no row (a CPU, an unlisted GPU)."""
     for pattern, peaks, source in DATASHEET_TFLOPS:
         if re.search(pattern, device_name) and dtype in peaks:
             return peaks[dtype] * 1e12, source

@@ -234,3 +234,14 @@ def test_rowwise_with_the_float8_all_gather_and_an_unknown_recipe_are_refused():
     with pytest.raises(ValueError, match="choose one of tensorwise, rowwise"):
         apply_float8(model, "blockwise", shards=True, emulate=True)
     assert not any(type(m).__name__ == "Float8Linear" for m in model.modules()), "refused before converting"
+
+
+def test_a_float8_step_is_measured_against_the_float8_peak_for_its_float8_share_only():
+    from float8 import float8_datasheet_peak
+    from hardware import datasheet_peak
+
+    bf16, float8 = datasheet_peak("NVIDIA H100 80GB HBM3", "bf16"), datasheet_peak("NVIDIA H100 80GB HBM3", "float8")
+    assert float8[0] > bf16[0], "the H100's float8 rate is above its bf16 rate"
+    peak, source = float8_datasheet_peak("NVIDIA H100 80GB HBM3", "bf16", 0.75)
+    assert bf16[0] < peak < float8[0] and "75%" in source
+    assert float8_datasheet_peak("NVIDIA A100-SXM4-80GB", "bf16", 0.75) is None, "no float8 row: no float8 peak"
