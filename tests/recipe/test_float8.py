@@ -1,7 +1,8 @@
 """The recipe's float8 training (scripts/train/float8.py, notebook 05), emulated on CPU ranks as torchao allows: a
 2-rank FSDP2 run and a tensor-parallel 2 run, each in bf16, in float8 tensorwise and in float8 rowwise, from the same
-weights on the same batches; the checkpoint a float8 run writes, loaded by a process that never imports torchao; the
-shape rules MFU and the planner read; and what float8 refuses.
+weights on the same batches; the checkpoint a float8 run writes (model and optimizer, two steps before the end),
+resumed by a float8 run bit for bit and loaded by a process that never imports torchao; the shape rules MFU and the
+planner read; and what float8 refuses.
 
 The tolerance. e4m3 keeps 3 mantissa bits: each operand of a float8 matmul is rounded to within 2^-4 of itself
 (relative), a few per cent of noise on every product, which a batch's mean loss mostly averages away; then a few
@@ -31,22 +32,23 @@ SHAPE = {"dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32
 
 
 def train_modes(tp: int, ckpt_dir: str | None):
-    """Every rank: the recipe's Llama at FSDP2 2 (tp 1) or TP 2, in each mode, STEPS steps; the losses, the names
-    converted, and (FSDP2 tensorwise) a DCP checkpoint of the model with its whole weights for comparison."""
+    """Every rank: the recipe's Llama at FSDP2 2 (tp 1) or TP 2, in each mode, STEPS steps; the losses and the
+    names converted. With `ckpt_dir` (FSDP2), tensorwise saves model and optimizer (get_state_dict, DCP) two steps
+    before the end, with the model's whole weights kept for comparison; then a fresh float8 model loads it and
+    takes the last two steps again."""
     import contextlib
     import gc
 
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
     import float8
     import parallelize as par
-    from config import preset
     from model import Llama, cross_entropy
     from tp import apply_tp
 
@@ -54,16 +56,18 @@ def train_modes(tp: int, ckpt_dir: str | None):
     model = opt = None
     try:
         world = dist.get_world_size()
-        cfg = preset("tiny", vocab_size=256, dim=SHAPE["dim"], n_layers=SHAPE["n_layers"], n_heads=SHAPE["n_heads"],
-                     n_kv_heads=SHAPE["n_kv_heads"], max_seq_len=SHAPE["seq_len"])
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp_shard", "tp"))
         shards, dp, dp_rank = world // tp > 1, world // tp, mesh.get_local_rank("dp_shard")
         from pydoc_data.topics import topics
         text = torch.tensor(list("\n\n".join(topics[k] for k in sorted(topics)).encode()))
-        out = {}
-        for mode in MODES:
+        g = torch.Generator().manual_seed(1)
+        starts = [torch.randint(0, len(text) - SHAPE["seq_len"] - 1, (SHAPE["batch"],), generator=g)
+                  for _ in range(STEPS)]
+        batches = [torch.stack([text[s:s + SHAPE["seq_len"] + 1] for s in step])[dp_rank::dp] for step in starts]
+
+        def build(mode):
             with torch.device("meta"):
-                model = Llama(cfg)
+                model = Llama(config())
             converted = [] if mode == "bf16" else float8.apply_float8(model, mode, shards, emulate=True, tp=tp)
             if tp > 1:
                 apply_tp(model, mesh["tp"], loss_parallel=True)
@@ -71,34 +75,46 @@ def train_modes(tp: int, ckpt_dir: str | None):
                 par.apply_fsdp(model, mesh["dp_shard"], param_dtype=torch.bfloat16)
             model.to_empty(device="cpu")
             model.init_weights(0)
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-            g, losses = torch.Generator().manual_seed(1), []
-            for _ in range(STEPS):
-                starts = torch.randint(0, len(text) - SHAPE["seq_len"] - 1, (SHAPE["batch"],), generator=g)
-                batch = torch.stack([text[s:s + SHAPE["seq_len"] + 1] for s in starts])[dp_rank::dp]
-                with contextlib.ExitStack() as context:
-                    if tp > 1:
-                        context.enter_context(loss_parallel())
-                    if not shards:            # the recipe's bf16 where FSDP2 does not cast: autocast
-                        context.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
-                    loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
-                    loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if mode == "tensorwise" and shards:
-                    float8.precompute_scales(model)
-                mean = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float().reshape(1)
-                dist.all_reduce(mean)
-                losses.append(mean.item() / world)
+            return model, torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1), converted
+
+        def step(model, opt, batch, mode) -> float:
+            with contextlib.ExitStack() as context:
+                if tp > 1:
+                    context.enter_context(loss_parallel())
+                if not shards:            # the recipe's bf16 where FSDP2 does not cast: autocast
+                    context.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+                loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if mode == "tensorwise" and shards:
+                float8.precompute_scales(model)
+            mean = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float().reshape(1)
+            dist.all_reduce(mean)
+            return mean.item() / world
+
+        out = {}
+        for mode in MODES:
+            model, opt, converted = build(mode)
+            losses = []
+            for i, batch in enumerate(batches):
+                if ckpt_dir and mode == "tensorwise" and i == STEPS - 2:
+                    model_state, optim_state = get_state_dict(model, opt)
+                    out["saved_types"] = sorted({type(v.to_local() if isinstance(v, DTensor) else v).__name__
+                                                 for v in model_state.values()})
+                    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=ckpt_dir)
+                    out["weights"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                                      for k, v in model_state.items()}
+                losses.append(step(model, opt, batch, mode))
             out[mode] = {"losses": losses, "converted": converted,
                          "types": sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})}
-            if ckpt_dir and mode == "tensorwise":
-                state = get_model_state_dict(model)
-                out["saved_types"] = sorted({type(v.to_local() if isinstance(v, DTensor) else v).__name__
-                                             for v in state.values()})
-                dcp.save({"model": state}, checkpoint_id=ckpt_dir)
-                out["weights"] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
-                                  for k, v in state.items()}
+        if ckpt_dir:
+            model, opt, _ = build("tensorwise")
+            model_state, optim_state = get_state_dict(model, opt)
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=ckpt_dir)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            out["resumed"] = [step(model, opt, batch, "tensorwise") for batch in batches[-2:]]
         return out
     finally:
         model = opt = None
@@ -106,18 +122,21 @@ def train_modes(tp: int, ckpt_dir: str | None):
         dist.destroy_process_group()
 
 
+def config():
+    from config import preset
+
+    return preset("tiny", vocab_size=256, dim=SHAPE["dim"], n_layers=SHAPE["n_layers"], n_heads=SHAPE["n_heads"],
+                  n_kv_heads=SHAPE["n_kv_heads"], max_seq_len=SHAPE["seq_len"])
+
+
 def load_without_torchao(ckpt_dir: str) -> dict:
     """One process, torchao never imported: the checkpoint into a plain Llama's state dict (DCP without a process
     group), as a bf16 run that resumes from it would read it."""
-    import torch
     import torch.distributed.checkpoint as dcp
 
-    from config import preset
     from model import Llama
 
-    cfg = preset("tiny", vocab_size=256, dim=SHAPE["dim"], n_layers=SHAPE["n_layers"], n_heads=SHAPE["n_heads"],
-                 n_kv_heads=SHAPE["n_kv_heads"], max_seq_len=SHAPE["seq_len"])
-    model = Llama(cfg)
+    model = Llama(config())
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=ckpt_dir)
     model.load_state_dict(state["model"])
@@ -135,12 +154,9 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_float8_trains_within_loss_rtol_of_bf16(runs, layout):
-    from config import preset
     from float8 import float8_linear_names
 
-    r = runs[layout][0]
-    cfg = preset("tiny", vocab_size=256, dim=SHAPE["dim"], n_layers=SHAPE["n_layers"], n_heads=SHAPE["n_heads"],
-                 n_kv_heads=SHAPE["n_kv_heads"], max_seq_len=SHAPE["seq_len"])
+    r, cfg = runs[layout][0], config()
     every = sorted(f"layers.{b}.{n}" for b in range(cfg.n_layers) for n in float8_linear_names(cfg))
     assert len(every) == 7 * cfg.n_layers, "at these sizes every block linear takes float8"
     bf16 = r["bf16"]["losses"]
@@ -151,6 +167,11 @@ def test_float8_trains_within_loss_rtol_of_bf16(runs, layout):
         gaps = [abs(a - b) / b for a, b in zip(r[mode]["losses"], bf16)]
         assert max(gaps) < LOSS_RTOL, f"{layout} {mode}: {r[mode]['losses']} against bf16's {bf16}"
         assert r[mode]["losses"] != bf16, "float8 changed the arithmetic (emulation is not a no-op)"
+
+
+def test_a_float8_run_resumed_from_its_checkpoint_takes_the_same_steps_bit_for_bit(runs):
+    r = runs["fsdp"][0]
+    assert r["resumed"] == r["tensorwise"]["losses"][-2:], "weights, optimizer state and the scales they give"
 
 
 def test_a_float8_checkpoint_holds_plain_tensors_that_a_run_without_torchao_loads(runs):
