@@ -136,33 +136,34 @@ def apply_float8(model, recipe: str, shards: bool, emulate: bool, tp: int = 1,
         return False
 
     convert_to_float8_training(model, config=config, module_filter_fn=in_block)
-    if gather:                 # the weights are torchao's wrappers (the float8 all-gather's hooks): unwrapped here
-        model.register_state_dict_post_hook(_plain_weights)
+    if gather:       # the weights are torchao's wrappers (the float8 all-gather's hooks): a state dict unwraps them
+        for name in converted:
+            model.get_submodule(name).register_state_dict_post_hook(_plain_weight)
     return converted
 
 
-def _plain_weights(module, state_dict, prefix, local_metadata) -> None:
-    """A state-dict hook: each weight that torchao wraps for the float8 all-gather becomes the plain tensor inside
-    (the same memory, so DCP loads into it in place), a DTensor with the same placements where it was one. Else a
-    checkpoint would pickle torchao's class, which a run without float8 cannot load. The inner tensor is found by
+def _plain_weight(module, state_dict, prefix, local_metadata) -> None:
+    """A Float8Linear's state-dict hook (it runs whichever module's state dict holds it: the model, a pipeline's
+    StagesView): the weight torchao wraps for the float8 all-gather becomes the plain tensor inside (the same memory,
+    so DCP loads into it in place), a DTensor with the same placements where it was one. Else a checkpoint would
+    pickle torchao's class, which a run without float8 cannot load. The inner tensor is found by
     `__tensor_flatten__`, the protocol by which torch's wrapper subclasses name their inner tensors."""
     from torch.distributed.tensor import DTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    for key, value in state_dict.items():
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if not isinstance(local, WeightWithDynamicFloat8CastTensor):
-            continue
+    value = state_dict[prefix + "weight"]
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if isinstance(local, WeightWithDynamicFloat8CastTensor):
         inner = getattr(local, local.__tensor_flatten__()[0][0])
-        state_dict[key] = DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False,
-                                             shape=value.shape, stride=value.stride()) \
-            if isinstance(value, DTensor) else inner
+        state_dict[prefix + "weight"] = inner if not isinstance(value, DTensor) else DTensor.from_local(
+            inner, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
 
 
-def precompute_scales(model) -> None:
+def precompute_scales(*models) -> None:
     """After each optimizer step, where tensorwise weights are gathered in float8: every weight's scale (from its
-    largest value over all shards) in one all-reduce, which the next all-gathers use. Without it, each weight's
-    all-gather first all-reduces its own largest value: one small collective per weight."""
+    largest value over all shards) in one all-reduce per model (a rank's pipeline stages: one each), which the next
+    all-gathers use. Without it, each weight's all-gather first all-reduces its own largest value."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    for model in models:
+        precompute_float8_dynamic_scale_for_fsdp(model)

@@ -25,6 +25,7 @@ import functools
 from dataclasses import dataclass, field
 
 from config import PRESETS, LlamaArgs, Layout, preset
+from float8 import MULTIPLE, RECIPES
 
 CHECKPOINTING = ("none", "selective", "full", "alternate")      # --ac: per block (ac.py)
 VOCAB_MULTIPLE = 64        # a vocabulary from the token file is rounded up to this (any --tp up to 64 divides it)
@@ -128,6 +129,10 @@ TRAINING = (
     Flag("compile", bool, None, "torch.compile each block (default: on GPUs)", commands=BOTH,
          plan={"help": "torch.compile each block, as the recipe does on GPUs (default, but not with --cp or "
                        "--moe-experts, which the recipe runs eager)"}),
+    Flag("float8", str, None, "each block's linear layers in float8 with torchao (float8.py): tensorwise, gathered "
+         "in float8 by FSDP2, or rowwise, a scale per row; emulated on CPUs", commands=BOTH, choices=RECIPES,
+         plan={"action": "store_true", "type": None, "choices": None, "default": False,   # refused: not planned
+               "help": argparse.SUPPRESS}),
     Flag("ac", str, "none", "activation checkpointing per block", commands=BOTH, choices=CHECKPOINTING,
          plan={"nargs": "+", "default": list(CHECKPOINTING), "help": "checkpointing modes to try (default: all)"}),
     Flag("seed", int, 0),
@@ -164,7 +169,6 @@ QUESTION = (          # plan.py's own
     Flag("matmul_tflops", float, None, "your GPU's large bf16 matmul rate (notebook 05 measures it; default: the "
          "datasheet x the H200's measured share)", "question", PLAN),
     Flag("top", int, 8, "layouts to print", "question", PLAN, least=1),
-    Flag("float8", bool, False, group="question", commands=PLAN, hidden=True),     # refused: not planned
 )
 FLAGS = MODEL_AND_LAYOUT + TRAINING + QUESTION               # the table: add a flag as a row of its group
 SHAPE_FLAGS = tuple(f.name for f in FLAGS if f.shape)          # the model's fields a flag sets
@@ -313,6 +317,12 @@ class Job(dataclasses.make_dataclass("Flags", [(f.name, f.type, field(default=f.
         return ParallelDims(self.dp_replicate, self.dp_shard, self.tp, self.pp, self.cp, self.ep)
 
     @property
+    def float8_all_gather(self) -> bool:
+        """Tensorwise float8 where FSDP2 shards: each float8 weight all-gathered in 1 byte per element, its scale
+        precomputed after each optimizer step (rowwise gathers in the training dtype: one scale per tensor only)."""
+        return self.float8 == "tensorwise" and self.dims.fsdp and self.dp_shard > 1
+
+    @property
     def profile_window(self) -> tuple[int, int] | None:
         """--profile-steps 'A:B' as (A, B), the steps profiled, B included (checked by `profile_window_is_steps`)."""
         return tuple(int(v) for v in self.profile_steps.split(":")) if self.profile_steps else None
@@ -449,6 +459,22 @@ def batch_splits(job: Job, world: int | None, stages: int) -> None:
     ranks = job.dims.data_ranks
     if job.batch % (ranks * job.accum):
         raise ValueError(f"--batch {job.batch} must be a multiple of data-parallel ranks {ranks} x --accum {job.accum}")
+
+
+@rule
+def float8_fits(job: Job, world: int | None, stages: int) -> None:
+    """--float8 converts each block's Linear layers (float8.py); experts' grouped matmuls are none, and the float8
+    share of the FLOPs would miscount them. A float8 matmul sums over a multiple of 16 (torch._scaled_mm), and the
+    weight gradient's sums over a rank's tokens: refused on a CPU too, so a run tried there holds on a GPU."""
+    if not job.float8:
+        return
+    if job.moe_experts:
+        raise ValueError("--float8 with --moe-experts: the experts' grouped matmuls are not Linear layers torchao "
+                         "converts (not built in this recipe)")
+    tokens = job.batch // (job.dims.data_ranks * job.accum) * job.seq_len // job.cp
+    if tokens % MULTIPLE:
+        raise ValueError(f"--float8: a rank multiplies {tokens} tokens per micro-batch, not a multiple of {MULTIPLE} "
+                         "(the weight gradient's float8 matmul sums over them)")
 
 
 @rule

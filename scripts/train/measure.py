@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import hardware
+from float8 import float8_datasheet_peak
 
 SNAPSHOT_STEPS = 3         # --memory-snapshot records through this many steps: where the peak is reached
 
@@ -138,20 +139,24 @@ class Meter(Window):
     on a CPU, which has no datasheet row, the only one. One process takes part in no collective."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: int, steps: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, float8_share: float = 0.0):
         self.world = dist.get_world_size()
         measured = torch.tensor([hardware.measured_matmul_peak(device, dtype)], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(measured)                           # the world's: the sum of the ranks'
         self.measured_peak = measured.item()
-        sheet = hardware.datasheet_peak(torch.cuda.get_device_name(device), hardware.matmul_dtype_name(dtype)) \
-            if device.type == "cuda" else None
-        if sheet:
+        column, name = hardware.matmul_dtype_name(dtype), torch.cuda.get_device_name(device) if device.type == \
+            "cuda" else None
+        sheet = name and (float8_datasheet_peak(name, column, float8_share) if float8_share else
+                          hardware.datasheet_peak(name, column))
+        if sheet:           # --float8: its linears' share of the FLOPs against the float8 peak, the rest the column's
             self.peak = sheet[0] * self.world
-            self.peak_source = f"{hardware.matmul_dtype_name(dtype)} datasheet peak x {self.world} ({sheet[1]})"
+            self.peak_source = f"{sheet[1]} x {self.world}" if float8_share else \
+                f"{column} datasheet peak x {self.world} ({sheet[1]})"
         else:
             self.peak = self.measured_peak
-            self.peak_source = f"the matmul rate measured here (no datasheet row for {device.type} devices)"
+            self.peak_source = f"the matmul rate measured here (no {'float8 ' if float8_share else ''}datasheet row " \
+                               f"for {name or device.type + ' devices'})"
         self.tokens_per_step, self.flops_per_token, self.total_steps = tokens_per_step, flops_per_token, steps
         self.tokens_per_s = self.mfu = self.mfu_measured = self.memory_gib = 0.0
         self.reserved_gib = None

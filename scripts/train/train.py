@@ -41,6 +41,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import checkpoint as ckpt
 import data
+import float8
 import parallelize as par
 from ac import apply_ac, apply_compile
 from config import MESH_DIMS
@@ -86,10 +87,23 @@ def parse_args(argv: list[str] | None = None) -> Job:
         device = "gpu" if uses_gpu() else "cpu"          # ValueError: more ranks on this node than GPUs
         tokens_vocab = data.vocab_size(args.data) if args.data else 256
         hf = ckpt.hf_model_config(args.init_from) if args.init_from else None
-        return from_flags(args, int(os.environ.get("WORLD_SIZE", "1")), device, tokens_vocab, hf,
-                          stages_per_rank=SCHEDULE_STAGES[args.pp_schedule][0])
+        job = from_flags(args, int(os.environ.get("WORLD_SIZE", "1")), device, tokens_vocab, hf,
+                         stages_per_rank=SCHEDULE_STAGES[args.pp_schedule][0])
+        float8_device_fits(job, device == "gpu")
+        return job
     except ValueError as e:
         p.error(str(e))
+
+
+def float8_device_fits(job: Job, gpu: bool) -> None:
+    """What --float8 asks of this machine (job.py's float8_fits rules the rest): a GPU with float8 tensor cores
+    (float8.check_float8_device); on a CPU torchao's emulation, which torch.compile does not take (torchtitan's rule)."""
+    if job.float8 and gpu:
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        float8.check_float8_device(torch.cuda.get_device_name(rank), torch.cuda.get_device_capability(rank),
+                                   rocm=torch.version.hip is not None)
+    elif job.float8 and job.compile:
+        raise ValueError("--float8 on CPUs is torchao's emulation, which runs eager: add --no-compile")
 
 
 def default_data() -> list[Path]:
@@ -142,6 +156,8 @@ def build_model(job: Job, meshes: Meshes, device: torch.device, dtype: torch.dty
         with torch.device("meta"):                # no memory yet: each rank materializes only its pieces
             model = Llama(job.model_config)
         shared_out = apply_experts(model, job, meshes.ep)     # the experts --ep shares out: FSDP2 leaves them alone
+        if job.float8:              # before TP and FSDP2, which shard Float8Linear's weight as they shard a Linear's
+            float8.apply_float8(model, job.float8, job.float8_all_gather, emulate=device.type != "cuda", tp=job.tp)
         if job.pp > 1:
             model = pipeline_split(model, meshes.world["pp"], chunk, chunks, style)
         if meshes.cp is not None:
@@ -219,6 +235,8 @@ def build_optimizer(model, job: Job):
         mesh = p.device_mesh if isinstance(p, DTensor) else None
         groups.setdefault((decay, mesh), {"params": [], "weight_decay": decay})["params"].append(p)
     optimizer = torch.optim.AdamW(list(groups.values()), lr=job.lr, betas=(0.9, 0.95))
+    if job.float8_all_gather:     # after each step, the next all-gathers' float8 scales: all in one all-reduce
+        optimizer.register_step_post_hook(lambda *_: float8.precompute_scales(model))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(job.warmup, job.steps, job.min_lr_ratio))
     return optimizer, scheduler
 
@@ -504,7 +522,10 @@ def train(device: torch.device, job: Job) -> dict:
     observers = Observers(device, rank, job.tensorboard, job.profile_window, job.profile_dir, job.memory_snapshot)
     trainer = Trainer(job, device)                        # after the observers: a memory snapshot sees it built
     meter = Meter(job.batch * job.seq_len, flops_per_token(cfg, job.seq_len, job.moe_experts, job.moe_top_k),
-                  job.steps, device, trainer.dtype)       # its matmul probe draws: before the generators load
+                  job.steps, device, trainer.dtype,       # its matmul probe draws: before the generators load
+                  float8.float8_flop_share(cfg, job.seq_len, job.tp) if job.float8 else 0.0)
+    precision = job.dtype + (f", float8 {job.float8}{'' if device.type == 'cuda' else ' (emulated)'}" if job.float8
+                             else "")
     checkpointer, resumed = resume(trainer)
     source = f"resumed from {resumed}" if resumed else f"weights of {job.init_from}" if job.init_from else \
         "initialised"
@@ -514,7 +535,7 @@ def train(device: torch.device, job: Job) -> dict:
     log(rank, f"training a {parameter_count(cfg, job.moe_experts) / 1e6:.2f}M-parameter Llama ({cfg.n_layers} "
               f"layers, dim {cfg.dim}, {cfg.n_heads} heads, {cfg.n_kv_heads} key/value heads{experts}, vocabulary "
               f"{cfg.vocab_size}) on {world} {device.type} rank{'s' * (world > 1)} as "
-              f"{job.dims.describe(job.pp_schedule)}, {job.dtype}{', compiled' if job.compile else ''}: steps "
+              f"{job.dims.describe(job.pp_schedule)}, {precision}{', compiled' if job.compile else ''}: steps "
               f"{trainer.state.step + 1} to {job.steps} of {job.batch} x {job.seq_len} tokens, {source}; MFU against "
               f"{meter.peak / 1e12:.4g} TFLOP/s, {meter.peak_source}; measured matmul peak "
               f"{meter.measured_peak / 1e12:.3g} TFLOP/s in all; a line every {job.log_every} steps with the time left")

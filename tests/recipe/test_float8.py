@@ -266,3 +266,78 @@ def test_a_float8_step_is_measured_against_the_float8_peak_for_its_float8_share_
     peak, source = float8_datasheet_peak("NVIDIA H100 80GB HBM3", "bf16", 0.75)
     assert bf16[0] < peak < float8[0] and "75%" in source
     assert float8_datasheet_peak("NVIDIA A100-SXM4-80GB", "bf16", 0.75) is None, "no float8 row: no float8 peak"
+
+
+def _train_refuses(argv, world, monkeypatch, capsys, gpu=None) -> str:
+    """train.py's argument check on `world` ranks of a CPU, or of a GPU named and numbered as `gpu` says."""
+    import torch
+
+    import train
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setattr(train, "uses_gpu", lambda: gpu is not None)
+    if gpu is not None:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu[0])
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu[1])
+        monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.raises(SystemExit) as refused:
+        train.parse_args(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1 and lines[0].startswith("train.py: error: "), lines
+    return lines[0].removeprefix("train.py: error: ")
+
+
+@pytest.mark.parametrize("argv, world, gpu, refusal", [
+    (["--float8", "tensorwise"], 8, ("NVIDIA A100-SXM4-80GB", (8, 0)), "NVIDIA A100-SXM4-80GB (compute capability "
+     "8.0) has no float8 tensor cores"),
+    (["--float8", "tensorwise", "--compile"], 2, None, "--float8 on CPUs is torchao's emulation, which runs eager"),
+    (["--float8", "tensorwise", "--moe-experts", "4"], 2, None, "--float8 with --moe-experts"),
+    (["--float8", "rowwise", "--seq-len", "40", "--batch", "2", "--cp", "2"], 2, None,
+     "a rank multiplies 40 tokens per micro-batch, not a multiple of 16"),     # 2 sequences of 40 / cp 2 each
+    (["--float8", "blockwise"], 2, None, "argument --float8: invalid choice: 'blockwise'"),
+])
+def test_train_py_refuses_what_float8_cannot_run_in_one_line(argv, world, gpu, refusal, monkeypatch, capsys):
+    assert refusal in _train_refuses(argv, world, monkeypatch, capsys, gpu)
+
+
+def test_train_py_takes_float8_on_a_gpu_with_float8_tensor_cores_and_on_cpus(monkeypatch):
+    import torch
+
+    import train
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setattr(train, "uses_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    job = train.parse_args(["--float8", "tensorwise", "--tp", "2"])
+    assert job.float8 == "tensorwise" and job.float8_all_gather, "FSDP2 over 4: its weights gathered in float8"
+    monkeypatch.setattr(train, "uses_gpu", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not train.parse_args(["--float8", "rowwise"]).float8_all_gather, "rowwise gathers in the training dtype"
+    assert not train.parse_args(["--float8", "tensorwise", "--tp", "2"]).float8_all_gather, "no shards: nothing gathered"
+    assert train.parse_args([]).float8 is None
+
+
+def test_train_py_in_float8_logs_its_mfu_rule_and_a_bf16_run_resumes_its_checkpoint(tmp_path):
+    """Two ranks of train.py under torchrun: FSDP2 in float8 tensorwise, 4 steps with a checkpoint at step 2; then
+    the same command without --float8 resumes that checkpoint (plain tensors: it never imports torchao) and
+    trains to step 6. The first line says float8 and what its MFU is measured against."""
+    import json
+
+    from helpers.cluster.torchrun import run_torchrun
+
+    common = ["--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2", "--seq-len", "32", "--batch",
+              "8", "--dtype", "bf16", "--log-every", "1", "--eval-windows", "16", "--ckpt-dir", tmp_path / "ckpt",
+              "--save-every", "2", "--metrics", tmp_path / "metrics.jsonl"]
+    env = {"CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first = run_torchrun(SCRIPTS / "train" / "train.py", *common, "--float8", "tensorwise", "--steps", "2",
+                         nproc=2, env=env, timeout=600, echo=False)
+    assert first.returncode == 0, first.output[-3000:]
+    line = next(line for line in first.output.splitlines() if "training a" in line)
+    assert "float8 tensorwise (emulated)" in line and "no float8 datasheet row for cpu devices" in line, line
+    second = run_torchrun(SCRIPTS / "train" / "train.py", *common, "--steps", "4", nproc=2, env=env, timeout=600,
+                          echo=False)
+    assert second.returncode == 0, second.output[-3000:]
+    assert "resumed from" in second.output and "float8" not in second.output.split("training a")[1].split(":")[0]
+    losses = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in losses if "loss" in m] == [1, 2, 3, 4], "each step once, float8 then bf16"

@@ -48,6 +48,9 @@ REFUSED = {
                     "experts: it must divide both",
                     ["--model", "tiny", "--gpus", "4", "--moe-experts", "6", "--ep", "4"]),
     "batch_splits": (["--batch", "3"], 2, "--batch 3 must be a multiple of data-parallel ranks 2 x --accum 1", None),
+    "float8_fits": (["--float8", "rowwise", "--seq-len", "24", "--batch", "2"], 2, "--float8: a rank multiplies 24 "
+                    "tokens per micro-batch, not a multiple of 16 (the weight gradient's float8 matmul sums over "
+                    "them)", None),
     "export_gathers_whole_model": (["--pp", "2", "--accum", "2", "--export", "m.pt"], 2, "--export with --pp needs "
                                    "--ckpt-dir: no rank holds the whole model, the checkpoint does", None),
     "profile_window_is_steps": (["--profile-steps", "3:1"], 1, "--profile-steps 3:1: expected 1 <= A <= B", None),
