@@ -26,9 +26,9 @@ def _forward_at_tp(tp, n_heads, n_kv_heads):
     from model import Llama
     from parallelize import build_mesh
     from tp import apply_tp
-    from train import GPU_DEFAULTS
+    from job import DEVICE_DEFAULTS
 
-    cfg = preset(GPU_DEFAULTS["model"], vocab_size=256, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    cfg = preset(DEVICE_DEFAULTS["gpu"]["model"], vocab_size=256, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads)
     seq_len = cfg.max_seq_len
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
