@@ -14,16 +14,25 @@ The commit protocol: every rank saves into a staging directory named by step and
 torchrun's run id); once the save is complete (DCP's `.metadata`, written last, after every rank's data), rank 0
 fsyncs it, renames it to `step_N` (atomic within one file system), fsyncs the parent, and only then deletes all but
 the newest `keep`. A reader only ever loads a `step_N` with its `.metadata`, and a committed checkpoint is never
-replaced or deleted before a newer one is committed. At start-up rank 0 settles what an earlier attempt of its own
-job left (commits a complete save, deletes an incomplete one) and leaves other jobs' saves alone; then it picks the
-checkpoint to resume and every rank loads that one. Notebook 09's cluster_ddp.py commits with the same functions.
+replaced or deleted before a newer one is committed. At start-up rank 0 settles every staged save it finds by one
+rule, whatever job left it (a `--standalone` relaunch is a new job): a complete one (`.metadata` and every rank's
+files) is committed; an incomplete one is deleted, unless another job changed its files within LEASE_S (10
+minutes): a live job's save in progress, left alone. Then it picks the checkpoint to resume and every rank loads
+that one. Notebook 09's cluster_ddp.py commits with the same functions.
+
+For inference, a committed checkpoint becomes one torch.save file (`export`) or a Hugging Face folder (`export_hf`:
+safetensors shards written file by file, config.json, generation_config.json, the tokenizer's files);
+`load_hf` reads such a folder into the model at any layout, each rank reading only the slices its pieces hold.
+`export_main` is `python train.py export`.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -88,48 +97,98 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def write_config(folder: Path, config: dict) -> None:
+    """The run's configuration beside a save's data (what `train.py export` and generate.py rebuild it from)."""
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    _fsync(folder / CONFIG_FILE)
+
+
 def commit(root: str | Path, step: int, keep: int = 2, config: dict | None = None, job: str | None = None) -> Path:
     """Publish a finished save (rank 0 only, after the save returned on it): write the run's configuration (if
     any) beside the data, fsync the staged files and directory, rename it to step_N, fsync the parent so the
     rename survives a power cut, and only then delete all but the newest `keep`. A step committed already stays:
     the same step saved again (a second job, a rerun) is dropped, never swapped in by a delete and a rename that a
-    crash could separate."""
+    crash could separate. Two committers of one save (its job, and the next launch's `settle_staging`) both
+    return the committed folder: the rename happens once."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the checkpoint just committed), got {keep}")
     staged, final = staging_dir(root, step, job), step_dir(root, step)
+    if (final / ".metadata").exists():
+        shutil.rmtree(staged, ignore_errors=True)
+        return final
     if not (staged / ".metadata").exists():
         raise FileNotFoundError(f"the save of step {step} did not finish: {staged} has no .metadata")
-    if (final / ".metadata").exists():
-        shutil.rmtree(staged)
-        return final
-    if config is not None:
-        (staged / CONFIG_FILE).write_text(json.dumps(config, indent=1))
-        _fsync(staged / CONFIG_FILE)
-    _fsync(staged / ".metadata")
-    _fsync(staged)
-    os.rename(staged, final)
+    try:
+        if config is not None:
+            write_config(staged, config)
+        _fsync(staged / ".metadata")
+        _fsync(staged)
+        os.rename(staged, final)
+    except FileNotFoundError:
+        if (final / ".metadata").exists():        # the other committer renamed it first
+            return final
+        raise
     _fsync(Path(root))
     for old in sorted(p for p in Path(root).glob("step_" + "[0-9]" * 8) if p.is_dir())[:-keep]:
         shutil.rmtree(old)
     return final
 
 
+LEASE_S = 600   # seconds: another job's unfinished save whose files have not changed for this long is abandoned
+
+
+def is_complete(staged: Path) -> bool:
+    """A staged save every rank finished: DCP's `.metadata` (rank 0 writes it last, once every rank has written),
+    every file it names with all the bytes it names, and, where the save holds generator files, one per rank."""
+    if not (staged / ".metadata").is_file():
+        return False
+    try:
+        metadata = dcp.FileSystemReader(staged).read_metadata()
+    except Exception:                     # a .metadata that does not read back is no finished save
+        return False
+    ends = {}
+    for stored in metadata.storage_data.values():
+        ends[stored.relative_path] = max(ends.get(stored.relative_path, 0), stored.offset + stored.length)
+    if any(not (staged / f).is_file() or (staged / f).stat().st_size < end for f, end in ends.items()):
+        return False
+    rng = sorted(p.name for p in (staged / RNG_DIR).glob("rank*.pt"))
+    if not rng:                           # a save without generator files (notebook 09's cluster_ddp.py)
+        return True
+    world = torch.load(staged / RNG_DIR / rng[0], weights_only=True)["world_size"]
+    return rng == [f"rank{r:05d}.pt" for r in range(world)]
+
+
+def last_change(folder: Path) -> float:
+    """The newest modification time of the folder or anything in it: a save in progress keeps it fresh."""
+    times = [folder.stat().st_mtime]
+    for path in folder.rglob("*"):
+        try:
+            times.append(path.stat().st_mtime)
+        except FileNotFoundError:         # renamed or deleted as we looked: a save at work
+            times.append(time.time())
+    return max(times)
+
+
 def settle_staging(root: str | Path, keep: int = 2, config: dict | None = None, job: str | None = None) -> list:
-    """What earlier attempts of this job left in `root` (rank 0, at start-up, before any rank picks a checkpoint or
-    saves): a complete save not yet committed (rank 0 died between the save and the rename) is committed, an
-    incomplete one deleted. Another job's staging directories are left alone: that job may be saving now. Returns
-    them, for the log."""
+    """The rule for staged saves found at start-up (rank 0, before any rank picks a checkpoint or saves), whatever
+    job left them: a complete one (`is_complete`) is committed, so a relaunch under a new job id (torchrun
+    --standalone draws one per launch) keeps the save its predecessor finished but did not rename; an incomplete
+    one of this job, or of another job whose files are older than LEASE_S, is deleted; an incomplete one of another
+    job with fresher files is left alone, as a live job's save in progress. A save without its own config.json
+    (written before the data since this version) gets `config`. Returns those left alone, for the log."""
     job = job or job_id()
-    others = []
+    left = []
     for staged in sorted(Path(root).glob(".step_*.partial")):
         match = re.fullmatch(r"\.step_(\d{8})\.(.+)\.partial", staged.name)
-        if match is None or match[2] != job:
-            others.append(staged)
-        elif (staged / ".metadata").exists():
-            commit(root, int(match[1]), keep, config, job)
+        if match is None:
+            left.append(staged)
+        elif is_complete(staged):
+            commit(root, int(match[1]), keep, None if (staged / CONFIG_FILE).exists() else config, match[2])
+        elif match[2] != job and time.time() - last_change(staged) < LEASE_S:
+            left.append(staged)
         else:
             shutil.rmtree(staged)
-    return others
+    return left
 
 
 class CheckpointError(RuntimeError):
@@ -238,6 +297,8 @@ class Checkpointer:
         self.saved_step = state.step
         staged = staging_dir(self.root, state.step, self.job)
         save_rng(staged)
+        if dist.get_rank() == 0:      # the save carries its configuration, whoever commits it (settle_staging)
+            write_config(staged, self.config)
         if self.async_save:
             if self.stager is None:
                 self.stager = make_stager(next(state.model.parameters()).device)
@@ -246,7 +307,7 @@ class Checkpointer:
         else:
             dcp.save({"train": state}, checkpoint_id=staged)
             if dist.get_rank() == 0:
-                commit(self.root, state.step, self.keep, self.config, self.job)
+                commit(self.root, state.step, self.keep, job=self.job)
 
     def poll(self) -> None:
         """Commit an async save as soon as it is written (call once a step), so a crash loses only the steps since.
@@ -261,29 +322,43 @@ class Checkpointer:
             (future, step), self.pending = self.pending, None
             future.result()
             if dist.get_rank() == 0:
-                commit(self.root, step, self.keep, self.config, self.job)
+                commit(self.root, step, self.keep, job=self.job)
+
+
+def checkpoint_config(checkpoint: str | Path) -> tuple:
+    """(the model's shape, the run's saved configuration) of a committed checkpoint; ValueError (one line) for one
+    the exports cannot rebuild: no config.json, or a mixture of experts."""
+    from config import LlamaArgs
+
+    path = Path(checkpoint) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"{checkpoint} has no {CONFIG_FILE}: not a checkpoint of train.py")
+    config = json.loads(path.read_text())
+    if config.get("args", {}).get("moe_experts"):
+        raise ValueError(f"{checkpoint} holds a mixture of experts (train.py --moe-experts): exports and generate.py "
+                         "build the dense Llama")
+    return LlamaArgs(**config["model"]), config
+
+
+def load_in_one_process(checkpoint: str | Path, model_state: dict) -> None:
+    """Fill `model_state` (any of the model's tensors, whole, in any dtype) from a checkpoint written at any layout:
+    one process, no process group; DCP reads each tensor's pieces from the ranks' files, and no other tensor."""
+    with warnings.catch_warnings():   # DCP warns that it loads in one process: that is the intent here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"train": {"model": model_state}}, checkpoint_id=checkpoint, no_dist=True)
 
 
 def full_model_state(checkpoint: str | Path) -> tuple:
     """(the model's config, its whole state dict on the CPU, the run's saved configuration) of a committed checkpoint
     written at any layout: one process, no process group; DCP assembles each parameter from the ranks' pieces."""
-    from config import LlamaArgs
     from model import Llama
 
-    checkpoint = Path(checkpoint)
-    config = json.loads((checkpoint / CONFIG_FILE).read_text())
-    if config.get("args", {}).get("moe_experts"):
-        raise ValueError(f"{checkpoint} holds a mixture of experts (train.py --moe-experts): exports and generate.py "
-                         "build the dense Llama")
-    cfg = LlamaArgs(**config["model"])
-
+    cfg, config = checkpoint_config(checkpoint)
     with torch.device("meta"):
         model = Llama(cfg)
     model.to_empty(device="cpu")
     state = model.state_dict()
-    with warnings.catch_warnings():   # DCP warns that it loads in one process: that is the intent here
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"train": {"model": state}}, checkpoint_id=checkpoint)
+    load_in_one_process(checkpoint, state)
     return cfg, state, config
 
 
@@ -322,25 +397,68 @@ def export_full_state_dict(model, cfg, out: str | Path) -> None:
 
 # -------------------------------------------------------------------------------------- Hugging Face checkpoints
 HF_WEIGHTS = "model.safetensors"
+HF_INDEX = HF_WEIGHTS + ".index.json"
+MAX_SHARD_BYTES = 5 * 10 ** 9     # a safetensors file holds at most this much: save_pretrained's "5GB"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """A Hugging Face Llama folder from a committed checkpoint: config.json (model.py's `hf_config`, with the
-    training data's end-of-text token as eos_token_id), model.safetensors (the weights under Hugging Face's names, wq and wk reordered by
-    `to_hf`; a tied output stored once, as Hugging Face does) and the training data's tokenizer.json where it had
-    one. `LlamaForCausalLM.from_pretrained(out)` opens it (tests/recipe/test_llama_reference.py); so do vLLM and the
-    evaluation harnesses."""
+def shard_files(sizes: dict[str, int], max_bytes: int) -> dict[str, list[str]]:
+    """File name -> the tensors it holds (of `sizes`, name -> bytes, in order), each file at most max_bytes unless
+    one tensor alone is larger, named as save_pretrained names them: model.safetensors for one file, else
+    model-00001-of-00003.safetensors and so on."""
+    groups, size = [[]], 0
+    for name, n in sizes.items():
+        if groups[-1] and size + n > max_bytes:
+            groups, size = groups + [[]], 0
+        groups[-1].append(name)
+        size += n
+    if len(groups) == 1:
+        return {HF_WEIGHTS: groups[0]}
+    return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups, 1)}
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """A Hugging Face Llama folder from a committed checkpoint, in `dtype` (default: the one the run trained in):
+    the weights under Hugging Face's names (wq and wk reordered by `to_hf`; a tied output stored once, as Hugging
+    Face does) in safetensors files of at most `max_shard_bytes`, with `model.safetensors.index.json` when there are
+    several, then config.json and the tokenizer's files (`write_hf_config`). Written file by file in one process:
+    DCP reads one file's tensors from the checkpoint, converted to `dtype` as they are copied in, so the memory
+    held is one file's, not the model's. `LlamaForCausalLM.from_pretrained(out)` opens it
+    (tests/recipe/test_llama_reference.py); so do vLLM and the evaluation harnesses."""
     from safetensors.torch import save_file
 
-    from config import hf_config
-    from model import to_hf
+    from model import Llama, hf_name, to_hf
 
-    cfg, state, config = full_model_state(checkpoint)
-    tensors = dict(to_hf(name, t.to(dtype).contiguous(), cfg) for name, t in state.items()
-                   if not (cfg.tie_embeddings and name == "output.weight"))
+    cfg, config = checkpoint_config(checkpoint)
+    dtype = dtype or DTYPES[config.get("args", {}).get("dtype") or "fp32"]
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in Llama(cfg).state_dict().items()
+                  if not (cfg.tie_embeddings and name == "output.weight")}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    files = shard_files({name: shape.numel() * itemsize for name, shape in shapes.items()}, max_shard_bytes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / HF_WEIGHTS, metadata={"format": "pt"})
+    for old in [*out.glob("model*.safetensors"), out / HF_INDEX]:     # an earlier export's files would mislead
+        old.unlink(missing_ok=True)
+    for file, names in files.items():
+        tensors = {name: torch.empty(shapes[name], dtype=dtype) for name in names}
+        load_in_one_process(checkpoint, tensors)
+        save_file(dict(to_hf(name, t, cfg) for name, t in tensors.items()), out / file, metadata={"format": "pt"})
+        del tensors                                                    # before the next file's
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(shape.numel() for shape in shapes.values()) * itemsize},
+                 "weight_map": {hf_name(name): file for file, names in files.items() for name in names}}
+        (out / HF_INDEX).write_text(json.dumps(index, indent=2))
+    write_hf_config(out, cfg, config, dtype)
+    return out
+
+
+def write_hf_config(out: Path, cfg, config: dict, dtype: torch.dtype) -> None:
+    """config.json (model.py's `hf_config` in `dtype`, with the training data's end-of-text token as eos_token_id)
+    and the training data's tokenizer.json where it had one."""
+    from config import hf_config
+
     hf = hf_config(cfg, str(dtype).removeprefix("torch."))
     trained_on = config.get("data") or {}
     if trained_on.get("tokenizer") and Path(trained_on["tokenizer"]).exists():   # a folder, or an older file
@@ -350,7 +468,6 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     if trained_on.get("eot_id") is not None:
         hf["eos_token_id"] = trained_on["eot_id"]
     (out / "config.json").write_text(json.dumps(hf, indent=1))
-    return out
 
 
 def hf_model_config(folder: str | Path):
@@ -368,9 +485,8 @@ def hf_model_config(folder: str | Path):
 
 def _hf_tensor_files(folder: Path) -> dict[str, Path]:
     """Hugging Face name -> the .safetensors file holding it (model.safetensors, or the shards an index names)."""
-    index = folder / (HF_WEIGHTS + ".index.json")
-    if index.is_file():
-        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    if (folder / HF_INDEX).is_file():
+        return {name: folder / file for name, file in json.loads((folder / HF_INDEX).read_text())["weight_map"].items()}
     if not (folder / HF_WEIGHTS).is_file():
         raise ValueError(f"{folder}: neither {HF_WEIGHTS} nor its index")
     from safetensors import safe_open
@@ -379,14 +495,31 @@ def _hf_tensor_files(folder: Path) -> dict[str, Path]:
         return {name: folder / HF_WEIGHTS for name in f.keys()}
 
 
+def read_piece(file, key: str, name: str, offsets: tuple, sizes: tuple, cfg) -> torch.Tensor:
+    """Our parameter `name`'s piece at `offsets` with `sizes`, read from Hugging Face's tensor `key` in the open
+    safetensors `file`: a slice (get_slice), in the file's dtype, nothing else. wq and wk, whose rows `to_hf`
+    reordered within each head, are read by the whole heads the piece's rows fall in, put back in our order
+    (`from_hf`), and cut to the piece: at most a head's rows more at each end."""
+    from model import from_hf, has_rotary_rows
+
+    box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+    if not has_rotary_rows(name):
+        return file.get_slice(key)[box]
+    first, last = box[0].start // cfg.head_dim * cfg.head_dim, -(-box[0].stop // cfg.head_dim) * cfg.head_dim
+    heads = from_hf(name, file.get_slice(key)[(slice(first, last), *box[1:])], cfg)
+    return heads[box[0].start - first:box[0].stop - first]
+
+
 @torch.no_grad()
 def load_hf(model, folder: str | Path) -> None:
     """Hugging Face Llama weights into the model at any layout, after `to_empty` (as `init_weights` would fill it):
-    each rank reads, for each parameter it holds a piece of (its pipeline stage's only), the whole tensor from the
-    safetensors file, puts it back in our layout (`from_hf`) and keeps its piece (`copy_full_into`)."""
+    for each parameter it holds a piece of (its pipeline stage's only), each rank reads only that piece
+    (`local_piece`, `read_piece`) in the folder's dtype, and converts it to the parameter's dtype and device as it
+    copies it in. Ranks that shard a model read it about once between them, not once each
+    (tests/recipe/test_checkpoint_hf.py counts the bytes each rank reads)."""
     from safetensors import safe_open
 
-    from model import copy_full_into, from_hf, hf_name
+    from model import hf_name, local_piece
 
     folder = Path(folder)
     where = _hf_tensor_files(folder)
@@ -395,13 +528,55 @@ def load_hf(model, folder: str | Path) -> None:
         for name, param in model.named_parameters():
             name = name.replace("_orig_mod.", "")        # a compiled block's wrapper
             key = hf_name(name)
-            if key not in where and name == "output.weight":
-                raise ValueError(f"{folder} has no {key}: its config says the output is not tied")
-            file = where[key]
-            if file not in opened:
-                opened[file] = safe_open(file, framework="pt")
-            tensor = opened[file].get_tensor(key).to(torch.float32)
-            copy_full_into(param, from_hf(name, tensor, model.cfg))
+            if key not in where:
+                raise ValueError(f"{folder} has no {key}" + (": its config says the output is not tied"
+                                                              if name == "output.weight" else ""))
+            if where[key] not in opened:
+                opened[where[key]] = safe_open(where[key], framework="pt")
+            shape = tuple(opened[where[key]].get_slice(key).get_shape())
+            if shape != tuple(param.shape):
+                raise ValueError(f"{folder}: {key} is {shape}, the model's {name} {tuple(param.shape)}")
+            offsets, sizes, local = local_piece(param)
+            if local.numel():
+                local.copy_(read_piece(opened[where[key]], key, name, offsets, sizes, model.cfg))
     finally:
         opened.clear()
     model.init_rope()
+
+
+def parse_bytes(text: str) -> int:
+    """A size as save_pretrained's max_shard_size takes it: "5GB" (10^9 bytes), "500MiB" (2^20), or bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(([KMGT])(i?)B|B)?\s*", text, flags=re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size (5GB, 500MiB, 1000000)")
+    power = "KMGT".index(match[3].upper()) + 1 if match[3] else 0
+    return int(float(match[1]) * (1024 if match[4] else 1000) ** power)
+
+
+def export_main(argv: list[str] | None = None) -> None:
+    """`python train.py export`: a committed checkpoint, at whatever layout it was written, for inference."""
+    parser = argparse.ArgumentParser(
+        prog="train.py export", description="The whole model from a committed checkpoint (any layout), for "
+        "inference: one torch.save file (--format pt), or a Hugging Face Llama folder (--format hf: config.json, "
+        "generation_config.json, the tokenizer's files and safetensors shards with their index) that "
+        "LlamaForCausalLM.from_pretrained, AutoTokenizer, vLLM and evaluation harnesses open.")
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")   # one line, status 2
+    parser.add_argument("--ckpt-dir", required=True, help="a --ckpt-dir of a training run, or one step_N in it")
+    parser.add_argument("--out", required=True, help="the file (pt) or folder (hf) to write")
+    parser.add_argument("--format", choices=["pt", "hf"], default="pt")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="hf: the weights' dtype (default: the run's)")
+    parser.add_argument("--max-shard-size", default="5GB", help="hf: the largest safetensors file (default 5GB, "
+                        "as save_pretrained; a tensor larger than this gets a file of its own)")
+    args = parser.parse_args(argv)
+    path = Path(args.ckpt_dir)
+    source = path if (path / ".metadata").exists() else latest(path)
+    if source is None:
+        parser.error(f"no committed checkpoint in {path}")
+    try:
+        if args.format == "hf":
+            export_hf(source, args.out, DTYPES.get(args.dtype), parse_bytes(args.max_shard_size))
+        else:
+            export(source, args.out)
+    except (ValueError, OSError) as e:     # a checkpoint these exports cannot read, a folder they cannot write
+        parser.error(str(e))
+    print(f"exported {source} to {args.out} ({args.format})", flush=True)

@@ -14,43 +14,63 @@ import re
 import time
 
 # Dense (no 2:4 sparsity) peak TFLOP/s per dtype, from each vendor's datasheet ("bf16" = BF16/FP16 tensor cores,
-# "tf32" = TF32 tensor cores, "fp32" = FP32 without tensor cores, "float8" = FP8 tensor cores where a GPU has them).
-# Datasheets print the sparse figure for tensor cores: half of it is the dense one. A device name matches the first
-# pattern found in it.
+# "float8" = FP8 tensor cores, "tf32" = TF32 tensor cores, "fp32" = FP32 without tensor cores). NVIDIA's datasheets
+# print the tensor cores' figures with sparsity: half of one is the dense figure. A row is (a pattern of the name
+# torch reports, the memory in GiB it reports (low, high) where names collide or None, the peaks, the source); the
+# first row that matches wins, so a variant's row comes before its family's.
+H100_SXM = {"bf16": 989.4, "float8": 1979.0, "tf32": 494.7, "fp32": 66.9}
+HOPPER_NVL = {"bf16": 835.5, "float8": 1670.5, "tf32": 417.5, "fp32": 60.0}
+H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet"
 DATASHEET_TFLOPS = [
-    (r"H100.*PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2, "float8": 1513.0},
-     "NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column (1,513 / 756 TFLOPS with sparsity; FP8 3,026)"),
-    (r"H100|GH200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9, "float8": 1978.9},
-     "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (1,979 / 989 TFLOPS with sparsity; FP8 3,958)"),
-    (r"H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9, "float8": 1978.9},
-     "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (1,979 / 989 TFLOPS with sparsity; FP8 3,958)"),
-    (r"A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
-     "NVIDIA A100 Tensor Core GPU datasheet (624 / 312 TFLOPS with sparsity)"),
-    (r"L40S", {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6, "float8": 733.0},
-     "NVIDIA L40S datasheet (733 / 366 TFLOPS with sparsity; FP8 1,466)"),
-    (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3, "float8": 242.5},
-     "NVIDIA L4 Tensor Core GPU datasheet (242 / 120 TFLOPS with sparsity; FP8 485)"),
-    (r"MI300X", {"bf16": 1307.4, "tf32": 653.7, "fp32": 163.4, "float8": 2614.9},
-     "AMD Instinct MI300X data sheet (peak dense BF16, TF32, FP32, FP8 matrix)"),
+    (r"H100.*NVL", None, HOPPER_NVL, f"{H100_SHEET}, H100 NVL column (1,671 BF16 / 3,341 FP8 TFLOPS with sparsity)"),
+    (r"H100.*PCIe", None, {"bf16": 756.0, "float8": 1513.0, "tf32": 378.0, "fp32": 51.2},
+     f"{H100_SHEET}, H100 PCIe column (1,513 BF16 / 3,026 FP8 TFLOPS with sparsity)"),
+    # torch sometimes reports a bare "NVIDIA H100": 94 GB (93 GiB as torch counts it) is the NVL; SXM boards have 80
+    # or, Meta's HBM2e ones, 96 GB (79 and 95 GiB)
+    (r"^NVIDIA H100$", (92.0, 94.5), HOPPER_NVL, f"{H100_SHEET}, H100 NVL column (94 GB, the bare name's memory)"),
+    (r"H100|GH200", None, H100_SXM, f"{H100_SHEET}, H100 SXM column (1,979 BF16 / 3,958 FP8 TFLOPS with sparsity); "
+     "GH200 Grace Hopper Superchip datasheet: its GPU's figures are the same"),
+    (r"H200.*(NVL|PCIe)", None, HOPPER_NVL, "NVIDIA H200 Tensor Core GPU datasheet, H200 NVL column (1,671 BF16 / "
+     "3,341 FP8 TFLOPS with sparsity; NVIDIA's vGPU tables name it H200 PCIe)"),
+    (r"H200", None, H100_SXM, "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (1,979 BF16 / 3,958 FP8 TFLOPS "
+     "with sparsity)"),
+    (r"\bB200\b", None, {"bf16": 2250.0, "float8": 4500.0, "tf32": 1100.0, "fp32": 75.0},
+     "NVIDIA Blackwell datasheet (DGX B200, HGX B200, GB200 NVL72), HGX B200 per GPU: 4.5 PFLOPS BF16, 9 PFLOPS FP8, "
+     "2.2 PFLOPS TF32 with sparsity, 75 TFLOPS FP32"),
+    (r"A100", None, {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+     "NVIDIA A100 Tensor Core GPU datasheet (624 / 312 TFLOPS with sparsity; no FP8)"),
+    (r"L40S", None, {"bf16": 362.05, "float8": 733.0, "tf32": 183.0, "fp32": 91.6},
+     "NVIDIA L40S datasheet (733 BF16 / 1,466 FP8 TFLOPS with sparsity)"),
+    (r"\bL4\b", None, {"bf16": 121.0, "float8": 242.5, "tf32": 60.0, "fp32": 30.3},
+     "NVIDIA L4 Tensor Core GPU datasheet (242 BF16 / 485 FP8 TFLOPS with sparsity)"),
+    (r"MI300X", None, {"bf16": 1307.4, "float8": 2614.9, "tf32": 653.7, "fp32": 163.4},
+     "AMD Instinct MI300X data sheet (peak dense BF16, FP8, TF32 and FP32 matrix)"),
 ]
 
 
-def datasheet_peak(device_name: str, dtype: str) -> tuple[float, str] | None:
-    """(peak FLOP/s, its source) of one device of this name in `dtype` ("bf16", "tf32", "fp32", "float8"), or None
-    where the table has no row (a CPU, an unlisted GPU)."""
-    for pattern, peaks, source in DATASHEET_TFLOPS:
-        if re.search(pattern, device_name) and dtype in peaks:
-            return peaks[dtype] * 1e12, source
+def datasheet_peak(device_name: str, dtype: str, memory_bytes: int | None = None) -> tuple[float, str] | None:
+    """(peak FLOP/s, its source) of one device of this name, as torch reports it (`torch.cuda.get_device_name`), in
+    `dtype` ("bf16", "float8", "tf32", "fp32"), or None where the table has no row (a CPU, an unlisted GPU) or its row
+    no such figure (an A100 has no FP8). A row that tells a variant by memory needs `memory_bytes`
+    (`torch.cuda.get_device_properties(...).total_memory`); without it the name alone decides."""
+    for pattern, memory_gib, peaks, source in DATASHEET_TFLOPS:
+        if memory_gib is not None and (memory_bytes is None or
+                                       not memory_gib[0] <= memory_bytes / 2 ** 30 < memory_gib[1]):
+            continue
+        if re.search(pattern, device_name):
+            return (peaks[dtype] * 1e12, source) if dtype in peaks else None
     return None
 
 
 def matmul_dtype_name(dtype) -> str:
-    """The datasheet column a training dtype computes in: bf16, or fp32 (tf32 where torch allows it for float32
-    matmuls: `torch.backends.cuda.matmul.fp32_precision`/`set_float32_matmul_precision`)."""
+    """The datasheet column a training dtype computes in: bf16, float8, or fp32 (tf32 where torch allows it for
+    float32 matmuls: `torch.backends.cuda.matmul.fp32_precision`/`set_float32_matmul_precision`)."""
     import torch
 
     if dtype in (torch.bfloat16, torch.float16):
         return "bf16"
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "float8"
     return "tf32" if torch.get_float32_matmul_precision() != "highest" else "fp32"
 
 

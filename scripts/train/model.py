@@ -192,15 +192,8 @@ def fill_normal(param: torch.Tensor, std: float, seed: int) -> None:
     in blocks of INIT_ROWS, block b from a generator seeded by (seed, b), so a rank draws only the blocks its rows
     fall in, at full width, and keeps its piece: a piece cut along the rows (FSDP2's Shard(0), tensor parallel's
     column-wise) costs a rank its share, one cut along the columns (row-wise Shard(1)) every row of the tensor
-    (tests/recipe/test_train_robust.py counts what each rank draws). A DTensor names its piece by offsets and sizes, as it does for
-    DCP (`__create_chunk_list__`)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        chunk = param.__create_chunk_list__()[0]
-        offsets, sizes, local = tuple(chunk.offsets), tuple(chunk.sizes), param.to_local()
-    else:
-        offsets, sizes, local = (0,) * param.dim(), tuple(param.shape), param
+    (tests/recipe/test_train_robust.py counts what each rank draws). Where the piece lies: `local_piece`."""
+    offsets, sizes, local = local_piece(param)
     if local.numel() == 0:
         return
     start, stop = offsets[0], offsets[0] + sizes[0]
@@ -212,22 +205,39 @@ def fill_normal(param: torch.Tensor, std: float, seed: int) -> None:
     local.copy_(rows[(slice(start - first, stop - first), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:])))])
 
 
+def local_piece(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """(offsets, sizes, tensor) of the piece of `param` this rank holds: all of a plain tensor; of a DTensor, its
+    local tensor and where it lies in the whole, from the placements and this rank's mesh coordinate by torch.chunk's
+    rule (a mesh dimension of n ranks cuts what it is given into chunks of ceil(length / n), the last ones shorter
+    or empty). A Shard cuts in mesh order; FSDP2 over tensor parallel marks its own cut of the same tensor dimension
+    `_StridedShard(dim, split_factor)`: it cuts last, inside the later mesh dimensions' pieces (their sizes multiply
+    to the factor). fill_normal draws, and checkpoint.py's load_hf reads, just that piece."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return (0,) * param.dim(), tuple(param.shape), param
+    mesh, where, local = param.device_mesh, param.device_mesh.get_coordinate(), param.to_local()
+    starts, lengths = [0] * param.dim(), list(param.shape)
+    for dim in range(param.dim()):
+        plain = [m for m, p in enumerate(param.placements) if p.is_shard(dim)]
+        strided = [(m, p.split_factor) for m, p in enumerate(param.placements)
+                   if not p.is_shard() and getattr(p, "dim", None) == dim and getattr(p, "split_factor", 1) > 1]
+        for m, factor in strided:
+            if factor != math.prod(mesh.size(k) for k in plain if k > m):
+                raise ValueError(f"{param.placements}: a split factor {factor} this rule does not place")
+        for m in plain + [m for m, _ in strided]:
+            chunk = -(-lengths[dim] // mesh.size(m))
+            start = min(where[m] * chunk, lengths[dim])
+            starts[dim], lengths[dim] = starts[dim] + start, min(chunk, lengths[dim] - start)
+    if tuple(lengths) != tuple(local.shape):
+        raise ValueError(f"{param.placements} on a mesh of {tuple(mesh.shape)}: this rank's piece would be "
+                         f"{tuple(lengths)}, its local tensor is {tuple(local.shape)}")
+    return tuple(starts), tuple(lengths), local
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss on float32 logits (a bf16 softmax would lose the loss's low bits)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Write a whole tensor into a parameter that may hold only this rank's piece of it (a DTensor)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank has `full` already, so each slices out its own piece, no communication
-        piece = distribute_tensor(full.to(param.device, param.dtype), param.device_mesh, param.placements,
-                                  src_data_rank=None)
-        param.to_local().copy_(piece.to_local())
-    else:
-        param.copy_(full)
 
 
 class KVCache:
@@ -282,30 +292,25 @@ def hf_name(name: str) -> str:
     return f"model.layers.{index}.{_HF_BLOCK[module]}.{leaf}"
 
 
-def _rotary_heads(name: str, cfg: LlamaArgs) -> int | None:
-    """The head count of a weight whose output rows carry rotary pairs (wq, wk), else None."""
-    if name.endswith("attention.wq.weight"):
-        return cfg.n_heads
-    if name.endswith("attention.wk.weight"):
-        return cfg.n_kv_heads
-    return None
+def has_rotary_rows(name: str) -> bool:
+    """wq and wk: their output rows carry rotary pairs, head_dim rows per head, which `to_hf` reorders."""
+    return name.endswith(("attention.wq.weight", "attention.wk.weight"))
 
 
 def to_hf(name: str, tensor: torch.Tensor, cfg: LlamaArgs) -> tuple[str, torch.Tensor]:
     """One of our weights as Hugging Face stores it: its name, and for wq and wk the rows of each head reordered
-    from interleaved pairs (x[2i], x[2i+1]) to halves (x[i], x[i + head_dim/2]), as Meta's conversion script does."""
-    heads = _rotary_heads(name, cfg)
-    if heads is not None:
-        rows, cols = tensor.shape
-        tensor = tensor.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    from interleaved pairs (x[2i], x[2i+1]) to halves (x[i], x[i + head_dim/2]), as Meta's conversion script does.
+    Rows move only within their head: the rows of some whole heads convert alone as they do in the whole tensor."""
+    if has_rotary_rows(name):
+        (rows, cols), half = tensor.shape, cfg.head_dim // 2
+        tensor = tensor.reshape(rows // cfg.head_dim, half, 2, cols).transpose(1, 2).reshape(rows, cols)
     return hf_name(name), tensor
 
 
 def from_hf(name: str, tensor: torch.Tensor, cfg: LlamaArgs) -> torch.Tensor:
-    """Hugging Face's tensor for our parameter `name` (found under `hf_name(name)`), back in our layout: `to_hf`'s
-    reordering undone."""
-    heads = _rotary_heads(name, cfg)
-    if heads is not None:
-        rows, cols = tensor.shape
-        tensor = tensor.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Hugging Face's tensor for our parameter `name` (found under `hf_name(name)`), or the rows of some whole heads
+    of it, back in our layout: `to_hf`'s reordering undone."""
+    if has_rotary_rows(name):
+        (rows, cols), half = tensor.shape, cfg.head_dim // 2
+        tensor = tensor.reshape(rows // cfg.head_dim, 2, half, cols).transpose(1, 2).reshape(rows, cols)
     return tensor

@@ -564,38 +564,13 @@ def train(device: torch.device, job: Job) -> dict:
             "checkpoint": str(ckpt.latest(job.ckpt_dir)) if job.ckpt_dir else None}
 
 
-def export_main(argv: list[str]) -> None:
-    parser = Parser(prog="train.py export", description="The whole model from a committed checkpoint (any layout), "
-                    "for inference: one torch.save file (--format pt), or a Hugging Face Llama folder (--format hf: "
-                    "config.json, model.safetensors and the token file's tokenizer.json) that "
-                    "LlamaForCausalLM.from_pretrained, vLLM and evaluation harnesses open.")
-    parser.add_argument("--ckpt-dir", required=True, help="a --ckpt-dir of a training run, or one step_N in it")
-    parser.add_argument("--out", required=True, help="the file (pt) or folder (hf) to write")
-    parser.add_argument("--format", choices=["pt", "hf"], default="pt")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hf: the weights' dtype")
-    args = parser.parse_args(argv)
-    path = Path(args.ckpt_dir)
-    source = path if (path / ".metadata").exists() else ckpt.latest(path)
-    if source is None:
-        parser.error(f"no committed checkpoint in {path}")
-    try:
-        if args.format == "hf":
-            ckpt.export_hf(source, args.out, DTYPES[args.dtype])
-        else:
-            ckpt.export(source, args.out)
-    except ValueError as e:           # a checkpoint these exports cannot read (one of experts): one line, status 2
-        parser.error(str(e))
-
-    print(f"exported {source} to {args.out} ({args.format})", flush=True)
-
-
 @record   # a failing rank's traceback goes into torchrun's error file, and its summary names the root cause
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["prepare"]:
         return data.main(argv[1:])
     if argv[:1] == ["export"]:
-        return export_main(argv[1:])
+        return ckpt.export_main(argv[1:])
     job = parse_args(argv)
     try:
         result = run_distributed(train, job)

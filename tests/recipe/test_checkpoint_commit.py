@@ -1,8 +1,8 @@
 """The commit protocol of the training recipe (scripts/train/checkpoint.py, made of notebook 06's cells, and imported
 by notebook 09's scripts/cluster_ddp.py), with real DCP checkpoints in one process: a save becomes visible only once
 complete, a crash during a save or a commit leaves a committed checkpoint the one that loads, only the newest `keep`
-stay, everything is fsynced, start-up settles its own job's saves and leaves another job's alone; and with real
-processes (helpers.launch): every rank loads the checkpoint rank 0 picks, or all refuse with one line."""
+stay, everything is fsynced, start-up settles the staged saves it finds by one rule whatever job left them; and
+with real processes (helpers.launch): every rank loads the checkpoint rank 0 picks, or all refuse with one line."""
 from __future__ import annotations
 
 import json
@@ -112,22 +112,59 @@ def test_a_commit_fsyncs_the_files_the_folder_and_its_parent(tmp_path, monkeypat
     assert {str(staged / ".metadata"), str(staged / recipe.CONFIG_FILE), str(staged), str(tmp_path)} <= set(synced)
 
 
-def test_start_up_commits_its_own_whole_save_and_leaves_another_jobs_alone(tmp_path):
-    """Two jobs in one directory. Job b's earlier attempt died after its save of step 4 was complete but before
-    rank 0 renamed it, and during its save of step 6; job a is saving steps 8 (complete, not yet committed) and 10.
-    Job b's start-up commits its step 4, deletes its torn step 6, and touches nothing of job a's."""
-    for step, job in ((4, "b"), (6, "b"), (8, "a"), (10, "a")):
-        dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=recipe.staging_dir(tmp_path, step, job),
-                 no_dist=True)
-    for step, job in ((6, "b"), (10, "a")):
-        (recipe.staging_dir(tmp_path, step, job) / ".metadata").unlink()
-    others = recipe.settle_staging(tmp_path, keep=2, job="b")
-    theirs = [recipe.staging_dir(tmp_path, 8, "a"), recipe.staging_dir(tmp_path, 10, "a")]
-    assert others == theirs and all(p.exists() for p in theirs)
-    assert (theirs[0] / ".metadata").exists(), "job a's complete save is job a's to commit"
-    assert recipe.latest(tmp_path) == tmp_path / "step_00000004"
+def _stage(root, step, job, ranks=1, config=None):
+    """A save of `step` by `job` as the Checkpointer stages it: each rank's generator file, the run's configuration,
+    the DCP data and .metadata (written last); not committed."""
+    folder = recipe.staging_dir(root, step, job)
+    for rank in range(ranks):
+        (folder / recipe.RNG_DIR).mkdir(parents=True, exist_ok=True)
+        torch.save({"world_size": ranks, "cpu": torch.get_rng_state()}, folder / recipe.RNG_DIR / f"rank{rank:05d}.pt")
+    if config is not None:
+        recipe.write_config(folder, config)
+    dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=folder, no_dist=True)
+    return folder
+
+
+def _age(folder, seconds):
+    """Every file of `folder` last changed `seconds` ago."""
+    import os
+    import time
+
+    for path in [folder, *folder.rglob("*")]:
+        os.utime(path, (time.time() - seconds, time.time() - seconds))
+
+
+def test_start_up_settles_every_staged_save_by_one_rule_whatever_job_left_it(tmp_path):
+    """A --standalone relaunch is a new job ("new"). Its predecessor ("old") left a complete save of step 4 that it
+    never renamed, a save of step 6 torn 20 minutes ago, a step 12 whose rank 1 never wrote its files, a step 14
+    whose data file was cut short; a live job is writing step 8 now; "new"'s own earlier attempt tore step 10.
+    Start-up commits step 4 alone, with the configuration it was saved with, leaves the live save, deletes the rest."""
+    stale = 2 * recipe.LEASE_S
+    _stage(tmp_path, 4, "old", ranks=2, config={"saved by": "old"})
+    torn = [_stage(tmp_path, 6, "old"), _stage(tmp_path, 8, "live"), _stage(tmp_path, 10, "new")]
+    for folder in torn:
+        (folder / ".metadata").unlink()
+    (_stage(tmp_path, 12, "old", ranks=2) / recipe.RNG_DIR / "rank00001.pt").unlink()
+    short = next(_stage(tmp_path, 14, "old").glob("*.distcp"))
+    short.write_bytes(short.read_bytes()[:-1])
+    for step in (6, 12, 14):
+        _age(recipe.staging_dir(tmp_path, step, "old"), stale)
+    left = recipe.settle_staging(tmp_path, keep=5, config={"saved by": "new"}, job="new")
+    assert left == [recipe.staging_dir(tmp_path, 8, "live")] and (left[0] / "rng").exists(), "a live save, untouched"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [left[0].name, "step_00000004"], "the rest deleted"
     assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 4.0))
-    assert not recipe.staging_dir(tmp_path, 6, "b").exists(), "its own torn save is deleted"
+    assert json.loads((tmp_path / "step_00000004" / recipe.CONFIG_FILE).read_text()) == {"saved by": "old"}
+    _age(left[0], stale)
+    assert recipe.settle_staging(tmp_path, job="newer") == [] and not left[0].exists(), "abandoned once stale"
+
+
+def test_a_save_committed_by_the_next_launch_is_committed_once(tmp_path):
+    """The job that saved and a later launch may both commit one save (its rank 0 had not yet renamed it): the
+    rename happens once and both get the committed checkpoint."""
+    _stage(tmp_path, 3, "a")
+    assert recipe.settle_staging(tmp_path, job="b") == []
+    assert recipe.commit(tmp_path, 3, job="a") == tmp_path / "step_00000003"
+    assert torch.equal(load(recipe.latest(tmp_path)), torch.full((4,), 3.0))
 
 
 def test_a_job_is_torchruns_run_id_made_safe_as_a_name(monkeypatch):

@@ -321,12 +321,12 @@ def test_experts_shared_out_over_two_ranks_match_one_process(runs, workspace):
 
 
 def test_a_checkpoint_of_experts_is_refused_by_the_dense_exports_in_one_line(workspace, runs, capsys):
-    import train
+    import checkpoint
 
     root, _ = workspace
     for form in ("pt", "hf"):
         with pytest.raises(SystemExit) as refused:
-            train.export_main(["--ckpt-dir", str(root / "ck_moe_ep"), "--format", form, "--out", str(root / "x")])
+            checkpoint.export_main(["--ckpt-dir", str(root / "ck_moe_ep"), "--format", form, "--out", str(root / "x")])
         lines = capsys.readouterr().err.strip().splitlines()
         assert refused.value.code == 2 and len(lines) == 1 and "holds a mixture of experts" in lines[0], lines
 
