@@ -126,3 +126,80 @@ def test_each_rank_reads_only_its_pieces_in_the_folders_dtype_and_loads_one_proc
                     f"{where}: read {got['bytes']} bytes, its pieces hold {got['held']}"
                 assert got["bytes"] < 0.75 * model_bytes, f"{where}: read {got['bytes']} of {model_bytes} bytes"
                 torch.testing.assert_close(got["params"], whole.state_dict(), rtol=0, atol=0, msg=where)
+
+
+def _checkpoint_of(folder, root, dtype: str):
+    """A committed checkpoint of the recipe holding `folder`'s weights, as `train.py --init-from FOLDER --dtype DTYPE`
+    saves it (written here by one process), and the recipe's model that holds them."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    cfg = recipe.hf_model_config(folder)
+    model = Llama(cfg)
+    recipe.load_hf(model, folder)
+    dcp.save({"train": {"model": model.state_dict()}}, checkpoint_id=recipe.staging_dir(root, 1, "t"), no_dist=True)
+    config = {"model": dataclasses.asdict(cfg), "args": {"dtype": dtype, "init_from": str(folder)}, "data": {}}
+    return recipe.commit(root, 1, config=config, job="t"), model.eval()
+
+
+def test_an_export_is_written_file_by_file_holding_one_files_tensors_at_a_time(downloads, tmp_path, monkeypatch):
+    """export_hf past --max-shard-size: safetensors files of at most that many bytes (a larger tensor alone) with
+    their index, as save_pretrained writes them, that transformers opens as the same model; written from the DCP
+    checkpoint one file at a time: the tensors it allocates, reads and writes (each tracked until freed) never weigh
+    more than a file and the one tensor it reorders (wq, wk) beside it, never the whole model (nor two files)."""
+    import json
+    import weakref
+
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaForCausalLM
+
+    checkpoint, model = _checkpoint_of(downloads.llama2, tmp_path / "ckpt", "fp32")
+    alive, peak = {}, [0]
+
+    def track(tensors):
+        """Count these tensors until they are freed; note the most counted at once."""
+        for t in tensors:
+            if id(t) not in alive:
+                alive[id(t)] = t.numel() * t.element_size()
+                weakref.finalize(t, alive.pop, id(t))
+        peak[0] = max(peak[0], sum(alive.values()))
+
+    def leaves(state):
+        return [leaf for v in state.values() for leaf in (leaves(v) if isinstance(v, dict) else [v])]
+
+    real_load, real_save, real_empty = dcp.load, safetensors.torch.save_file, torch.empty
+
+    def load(state, **kwargs):                  # what the export asks DCP to fill
+        track(leaves(state))
+        return real_load(state, **kwargs)
+
+    def save_file(tensors, *args, **kwargs):    # what it writes
+        track(tensors.values())
+        return real_save(tensors, *args, **kwargs)
+
+    def empty(*args, **kwargs):                 # what it allocates, while the previous file's may still be alive
+        tensor = real_empty(*args, **kwargs)
+        track([tensor])
+        return tensor
+
+    for module, name, wrapper in ((dcp, "load", load), (safetensors.torch, "save_file", save_file),
+                                  (torch, "empty", empty)):
+        monkeypatch.setattr(module, name, wrapper)
+    limit = 100_000
+    out = recipe.export_hf(checkpoint, tmp_path / "hf", max_shard_bytes=limit)
+
+    index = json.loads((out / recipe.HF_INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    assert len(files) >= 3 and files == sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+    assert index["metadata"]["total_size"] == whole and not (out / recipe.HF_WEIGHTS).exists()
+    sizes = {file: [t.numel() * 4 for t in safetensors.torch.load_file(out / file).values()] for file in files}
+    assert all(sum(s) <= limit or len(s) == 1 for s in sizes.values()), sizes
+    bound = max(map(sum, sizes.values())) + model.layers["0"].attention.wq.weight.numel() * 4
+    assert 0 < peak[0] <= bound < whole / 2, f"held {peak[0]} bytes at once: more than a file and a wq ({bound})"
+    theirs = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, model(tokens), rtol=0, atol=1e-5)
