@@ -455,19 +455,52 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None
 
 
 def write_hf_config(out: Path, cfg, config: dict, dtype: torch.dtype) -> None:
-    """config.json (model.py's `hf_config` in `dtype`, with the training data's end-of-text token as eos_token_id)
-    and the training data's tokenizer.json where it had one."""
+    """config.json (model.py's `hf_config` in `dtype`) and the tokenizer the run trained with (`write_tokenizer`),
+    its BOS and EOS ids in config.json as Hugging Face's Llama folders have them; a run on bytes has no tokenizer."""
     from config import hf_config
 
     hf = hf_config(cfg, str(dtype).removeprefix("torch."))
-    trained_on = config.get("data") or {}
-    if trained_on.get("tokenizer") and Path(trained_on["tokenizer"]).exists():   # a folder, or an older file
-        from data import tokenizer_files
-
-        shutil.copy(tokenizer_files(trained_on["tokenizer"])["tokenizer.json"], out / "tokenizer.json")
-    if trained_on.get("eot_id") is not None:
-        hf["eos_token_id"] = trained_on["eot_id"]
+    tokenizer = write_tokenizer(out, config)
+    if tokenizer is not None:
+        hf.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
     (out / "config.json").write_text(json.dumps(hf, indent=1))
+
+
+def write_tokenizer(out: Path, config: dict):
+    """The tokenizer's files beside the weights, so that AutoTokenizer opens the tokenizer the model trained with
+    (not a default one, with a BOS it never saw): the token file's (`data.describe`'s folder, or an older token
+    file's tokenizer.json), and for a run started with --init-from FOLDER, the folder's files where the token
+    file's lack them (if the folder's vocabulary is the token file's); `data.save_tokenizer` adds a
+    tokenizer_config.json and a generation_config.json where none came, this a special_tokens_map.json from
+    tokenizer_config.json. Returns what `data.read_tokenizer` reads back, or None: no tokenizer."""
+    import tempfile
+
+    from tokenizers import Tokenizer
+
+    from data import TOKENIZER_FILES, read_tokenizer, save_tokenizer, tokenizer_files
+
+    trained, folder = (config.get("data") or {}).get("tokenizer"), config.get("args", {}).get("init_from")
+    own = tokenizer_files(trained) if trained and Path(trained).exists() else {}
+    theirs = tokenizer_files(folder) if folder and (Path(folder) / "tokenizer.json").is_file() else {}
+    vocab = [Tokenizer.from_file(str(files["tokenizer.json"])).get_vocab() for files in (own, theirs) if files]
+    files = {**theirs, **own} if len(vocab) < 2 or vocab[0] == vocab[1] else own
+    for name in TOKENIZER_FILES:                      # an earlier export's would mislead
+        (out / name).unlink(missing_ok=True)
+    if not files:
+        return None
+    with tempfile.TemporaryDirectory(dir=out) as work:
+        merged, complete = Path(work) / "merged", Path(work) / "complete"
+        merged.mkdir()
+        for name, path in files.items():
+            shutil.copyfile(path, merged / name)
+        save_tokenizer(read_tokenizer(merged), complete)
+        for path in complete.iterdir():
+            shutil.copyfile(path, out / path.name)
+    if not (out / "special_tokens_map.json").exists():
+        named = json.loads((out / "tokenizer_config.json").read_text())
+        special = {k: named[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if named.get(k)}
+        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    return read_tokenizer(out)
 
 
 def hf_model_config(folder: str | Path):

@@ -102,13 +102,14 @@ def preset(name: str, **overrides) -> LlamaArgs:
 
 def hf_config(cfg: LlamaArgs, dtype: str = "float32") -> dict:
     """The config.json `LlamaForCausalLM.from_pretrained` reads for this model (the classic keys, which
-    transformers 4 and 5, vLLM and the evaluation harnesses all read)."""
+    transformers 4 and 5, vLLM and the evaluation harnesses all read; the weights' dtype under both its names,
+    transformers 4's `torch_dtype` and 5's `dtype`)."""
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
               "hidden_size": cfg.dim, "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layers,
               "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
               "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
               "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-              "mlp_bias": False, "torch_dtype": dtype}
+              "mlp_bias": False, "torch_dtype": dtype, "dtype": dtype}
     if cfg.rope_scaling:
         config["rope_scaling"] = {"rope_type": "llama3", **cfg.rope_scaling}
     return config

@@ -128,9 +128,9 @@ def test_each_rank_reads_only_its_pieces_in_the_folders_dtype_and_loads_one_proc
                 torch.testing.assert_close(got["params"], whole.state_dict(), rtol=0, atol=0, msg=where)
 
 
-def _checkpoint_of(folder, root, dtype: str):
+def _checkpoint_of(folder, root, dtype: str, trained_on: dict | None = None):
     """A committed checkpoint of the recipe holding `folder`'s weights, as `train.py --init-from FOLDER --dtype DTYPE`
-    saves it (written here by one process), and the recipe's model that holds them."""
+    saves it (written here by one process) on the data `trained_on` describes, and the recipe's model holding them."""
     import dataclasses
 
     import torch.distributed.checkpoint as dcp
@@ -139,7 +139,8 @@ def _checkpoint_of(folder, root, dtype: str):
     model = Llama(cfg)
     recipe.load_hf(model, folder)
     dcp.save({"train": {"model": model.state_dict()}}, checkpoint_id=recipe.staging_dir(root, 1, "t"), no_dist=True)
-    config = {"model": dataclasses.asdict(cfg), "args": {"dtype": dtype, "init_from": str(folder)}, "data": {}}
+    config = {"model": dataclasses.asdict(cfg), "args": {"dtype": dtype, "init_from": str(folder)},
+              "data": trained_on or {}}
     return recipe.commit(root, 1, config=config, job="t"), model.eval()
 
 
@@ -203,3 +204,65 @@ def test_an_export_is_written_file_by_file_holding_one_files_tensors_at_a_time(d
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, model(tokens), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, dtype", [("llama2", "fp32"), ("llama3", "bf16")])
+def test_an_export_opens_in_transformers_as_the_download_it_started_from(downloads, tmp_path, name, dtype):
+    """A run started from a download (--init-from FOLDER, its data prepared with the folder's tokenizer), exported:
+    AutoTokenizer opens the tokenizer it trained with (the same ids for the same text, BOS included, decoding back
+    to the text, the same special tokens and chat template), generation_config.json stops at the same EOS ids (a
+    list for Llama 3.2), config.json names the dtype the run trained in and the weights are in it, and
+    LlamaForCausalLM gives the recipe's logits."""
+    import json
+
+    import safetensors.torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    import data
+    import user_folders
+
+    folder, torch_dtype = getattr(downloads, name), {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    docs = user_folders.corpus()[:40]
+    tokens = data.prepare(docs, tmp_path / "tokens.bin", tokenizer=folder)
+    checkpoint, model = _checkpoint_of(folder, tmp_path / "ckpt", dtype, data.describe([tokens]))
+    out = recipe.export_hf(checkpoint, tmp_path / "hf")
+
+    assert {"config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+            "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    theirs, ours = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(out)
+    for text in (docs[3][:400], "Hello world, the with statement.", "ünïcödé and\ttabs\n\nand lines"):
+        assert ours(text).input_ids == theirs(text).input_ids, text
+        assert ours.decode(ours(text, add_special_tokens=False).input_ids) == text
+    assert (ours.bos_token, ours.eos_token, ours.chat_template) == \
+        (theirs.bos_token, theirs.eos_token, theirs.chat_template)
+    if theirs.chat_template:
+        chat = [{"role": "user", "content": "Explain: the with statement"}]
+        assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+    assert GenerationConfig.from_pretrained(out).eos_token_id == GenerationConfig.from_pretrained(folder).eos_token_id
+    assert AutoConfig.from_pretrained(out).dtype == torch_dtype
+    assert {t.dtype for t in safetensors.torch.load_file(out / recipe.HF_WEIGHTS).values()} == {torch_dtype}
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == data.read_meta(tokens)["eot_id"]
+    theirs_model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([ours(docs[5][:300]).input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs_model(ids).logits, model(ids), rtol=0, atol=1e-5)
+
+
+def test_the_init_from_folder_fills_in_only_what_the_token_files_own_tokenizer_lacks(downloads, tmp_path):
+    """An older token file kept its tokenizer.json alone (`tokens.bin.tokenizer.json`): a run started from the
+    Llama 3.2 folder whose data that tokenizer made exports the folder's chat template and its list of EOS ids. A
+    token file of another tokenizer (GPT-2's) takes nothing from the folder: its files describe another vocabulary."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    assert len(GenerationConfig.from_pretrained(downloads.llama3).eos_token_id) == 3
+    for name, source in (("same", downloads.llama3), ("other", downloads.gpt2)):
+        alone = tmp_path / f"{name}.bin.tokenizer.json"
+        shutil.copy(source / "tokenizer.json", alone)
+        checkpoint, _ = _checkpoint_of(downloads.llama3, tmp_path / f"ck_{name}", "bf16", {"tokenizer": str(alone)})
+        out = recipe.export_hf(checkpoint, tmp_path / f"hf_{name}")
+        ours, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(source)
+        assert (ours.eos_token, ours.chat_template) == (theirs.eos_token, theirs.chat_template), name
+        listed = GenerationConfig.from_pretrained(source).eos_token_id if name == "same" else theirs.eos_token_id
+        assert GenerationConfig.from_pretrained(out).eos_token_id == listed, name
