@@ -370,17 +370,6 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     return Path(out)
 
 
-def load_exported(path: str | Path, device: str | torch.device = "cpu"):
-    """The model an `export` file holds, ready for inference."""
-    from config import LlamaArgs
-    from model import Llama
-
-    saved = torch.load(path, map_location=device, weights_only=True)
-    model = Llama(LlamaArgs(**saved["config"])).to(device)
-    model.load_state_dict(saved["model"])
-    return model.eval()
-
-
 def export_full_state_dict(model, cfg, out: str | Path) -> None:
     """The same file as `export`, written from the training processes at the end of a run: every rank takes part
     in gathering each parameter whole (get_model_state_dict with full_state_dict), and rank 0 alone receives it,
@@ -393,6 +382,30 @@ def export_full_state_dict(model, cfg, out: str | Path) -> None:
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         torch.save({"config": asdict(cfg), "model": state}, out)
+
+
+def empty_model(cfg, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """The model with room for its weights in `dtype` on `device`, nothing drawn and nothing copied: built on the
+    meta device, then given memory (to_empty). The rotary tables stay float32, as training computes the angles;
+    whatever loads the weights then calls `init_rope`."""
+    from model import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg).to(dtype)
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    return model.to_empty(device=device)
+
+
+def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """The model an `export` file holds, ready for inference, in `dtype` on `device` (the file mapped, not read
+    into memory first)."""
+    from config import LlamaArgs
+
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    model = empty_model(LlamaArgs(**saved["config"]), device, dtype)
+    model.load_state_dict(saved["model"])
+    model.init_rope()
+    return model.eval()
 
 
 # -------------------------------------------------------------------------------------- Hugging Face checkpoints
@@ -514,6 +527,14 @@ def hf_model_config(folder: str | Path):
         return config_from_hf(json.loads(path.read_text()))
     except (KeyError, ValueError) as e:
         raise ValueError(f"{folder} is not a Llama this recipe can load: {e}") from None
+
+
+def hf_dtype(folder: str | Path) -> torch.dtype:
+    """The dtype a Hugging Face folder's config.json names (transformers 5's `dtype`, 4's `torch_dtype`), one of
+    DTYPES; float32 where it names none."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    named = config.get("dtype") or config.get("torch_dtype")
+    return {str(t).removeprefix("torch."): t for t in DTYPES.values()}.get(named, torch.float32)
 
 
 def _hf_tensor_files(folder: Path) -> dict[str, Path]:

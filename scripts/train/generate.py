@@ -11,32 +11,33 @@
 Greedy by default (the most likely token each time), or sampled at --temperature among the --top-k most likely.
 A key/value cache (model.py's KVCache) keeps every block's keys and values, so each new token runs the model on
 itself alone; `--no-cache` runs the whole sequence again per token (the same tokens, slower: a test checks both).
-The text is turned into tokens by the tokenizer the model was trained with: the folder's tokenizer.json, the one
-the checkpoint's token file names, or --tokenizer; bytes when the vocabulary is bytes.
+The text is turned into tokens by the tokenizer the model was trained with: the folder's, the one the checkpoint's
+token file names, or --tokenizer; bytes when the vocabulary is bytes. Generation stops at any of the tokenizer's
+end-of-text ids (generation_config.json's list: Llama 3's end of text, of a message, of a turn). A Hugging Face
+folder loads in its own dtype (--dtype to change it), each weight read straight into its place.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
+import checkpoint as ckpt
 from model import Llama, KVCache
 
 
 class Codec:
-    """Text <-> token ids: a `tokenizers` tokenizer, or UTF-8 bytes."""
+    """Text <-> token ids, and the ids that end a text: a Hugging Face tokenizer (a folder, a token file's, or a
+    tokenizer.json, as data.read_tokenizer reads it), or UTF-8 bytes (nothing ends them)."""
 
-    def __init__(self, tokenizer_file: str | Path | None = None):
-        self.tokenizer = None
-        if tokenizer_file:
-            from tokenizers import Tokenizer
+    def __init__(self, tokenizer_path: str | Path | None = None):
+        from data import read_tokenizer
 
-            from data import tokenizer_files      # a tokenizer folder (a token file's) or a tokenizer.json
-
-            self.tokenizer = Tokenizer.from_file(str(tokenizer_files(tokenizer_file)["tokenizer.json"]))
+        record = read_tokenizer(tokenizer_path) if tokenizer_path else None
+        self.tokenizer = record.tokenizer if record else None
+        self.eos_ids = record.eos_ids if record else []
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode("utf-8"))
@@ -45,29 +46,27 @@ class Codec:
         return self.tokenizer.decode(ids) if self.tokenizer else bytes(ids).decode("utf-8", errors="replace")
 
 
-def load(source: str | Path, device="cpu") -> tuple[Llama, str | None, int | None]:
-    """(the model, in eval mode on `device`; the tokenizer file it was trained with or None; the end-of-text id or
-    None) from a Hugging Face folder, an export file or a checkpoint directory (a run's --ckpt-dir or one step_N)."""
-    import checkpoint as ckpt
-
+def load(source: str | Path, device="cpu", dtype: torch.dtype | None = None) -> tuple[Llama, str | None]:
+    """(the model, in eval mode on `device`, in `dtype` (default: a Hugging Face folder's own, else float32); the
+    tokenizer it was trained with, or None) from a Hugging Face folder, an export file or a checkpoint directory (a
+    run's --ckpt-dir or one step_N). Built empty (`empty_model`), each weight read into its place in its dtype: no
+    float32 copy on the CPU first, no initialisation to overwrite."""
     source = Path(source)
     if source.is_file():                                            # export --format pt
-        return ckpt.load_exported(source, device), None, None
+        return ckpt.load_exported(source, device, dtype or torch.float32), None
     step = source if (source / ".metadata").exists() else ckpt.latest(source)   # a step_N (its config.json is ours)
     if step is None and (source / "config.json").is_file():         # a Hugging Face folder
-        cfg = ckpt.hf_model_config(source)
-        model = Llama(cfg)
+        model = ckpt.empty_model(ckpt.hf_model_config(source), device, dtype or ckpt.hf_dtype(source))
         ckpt.load_hf(model, source)
-        tokenizer = source / "tokenizer.json"
-        eot = json.loads((source / "config.json").read_text()).get("eos_token_id")
-        return model.to(device).eval(), str(tokenizer) if tokenizer.is_file() else None, eot
+        return model.eval(), str(source) if (source / "tokenizer.json").is_file() else None
     if step is None:
         raise ValueError(f"{source}: not a Hugging Face folder, an export file or a checkpoint directory")
-    cfg, state, config = ckpt.full_model_state(step)
-    model = Llama(cfg)
-    model.load_state_dict(state)
-    trained_on = config.get("data") or {}
-    return model.to(device).eval(), trained_on.get("tokenizer"), trained_on.get("eot_id")
+    cfg, config = ckpt.checkpoint_config(step)
+    model = ckpt.empty_model(cfg, device, dtype or torch.float32)
+    ckpt.load_in_one_process(step, model.state_dict())
+    model.init_rope()
+    tokenizer = (config.get("data") or {}).get("tokenizer")
+    return model.eval(), tokenizer if tokenizer and Path(tokenizer).exists() else None
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> int:
@@ -83,8 +82,9 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
 
 @torch.no_grad()
 def generate(model: Llama, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-             seed: int = 0, use_cache: bool = True, stop_at: int | None = None) -> list[int]:
-    """The ids that follow `prompt`: up to max_new_tokens, ending early at `stop_at` (the end-of-text id)."""
+             seed: int = 0, use_cache: bool = True, stop_at: list[int] | None = None) -> list[int]:
+    """The ids that follow `prompt`: up to max_new_tokens, ending early at any id of `stop_at` (the tokenizer's
+    end-of-text ids: `Codec.eos_ids`)."""
     total = len(prompt) + max_new_tokens
     if not prompt or total > model.cfg.max_seq_len:
         raise ValueError(f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones: between 1 and the "
@@ -92,11 +92,11 @@ def generate(model: Llama, prompt: list[int], max_new_tokens: int, temperature: 
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     cache = KVCache(model.cfg, 1, total, device, next(model.parameters()).dtype) if use_cache else None
-    ids = list(prompt)
+    ids, stop = list(prompt), set(stop_at or ())
     logits = model(torch.tensor([ids], device=device), cache)[0, -1]
     for _ in range(max_new_tokens):
         ids.append(next_token(logits, temperature, top_k, generator))
-        if ids[-1] == stop_at or len(ids) == total:
+        if ids[-1] in stop or len(ids) == total:
             break
         new = ids[-1:] if use_cache else ids                     # with a cache: the new token alone
         logits = model(torch.tensor([new], device=device), cache)[0, -1]
@@ -118,22 +118,30 @@ def main(argv: list[str] | None = None) -> None:
                         "trained with)")
     parser.add_argument("--no-cache", action="store_true", help="run the whole sequence for every new token")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="the weights' dtype (default: a Hugging "
+                        "Face folder's own, else fp32)")
     args = parser.parse_args(argv)
     if not Path(args.model).exists():
         parser.error(f"--model {args.model}: no such file or directory")
-    if args.temperature < 0 or args.max_new_tokens < 1:
-        parser.error("--temperature must be >= 0 and --max-new-tokens >= 1")
+    if args.temperature < 0 or args.max_new_tokens < 1 or (args.top_k is not None and args.top_k < 1):
+        parser.error("--temperature must be >= 0, --max-new-tokens and --top-k >= 1")
     try:
-        model, tokenizer, eot = load(args.model, args.device)
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device}: {str(e).splitlines()[0]}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device")
+    try:
+        model, tokenizer = load(args.model, device, ckpt.DTYPES.get(args.dtype))
         if args.tokenizer is None and tokenizer is None and model.cfg.vocab_size > 256:
             raise ValueError(f"the model's vocabulary is {model.cfg.vocab_size} tokens, and no tokenizer is known "
                              "for it: give --tokenizer")
         codec = Codec(args.tokenizer or tokenizer)
         ids = generate(model, codec.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
-                       args.seed, not args.no_cache, eot)
-    except ValueError as e:
-        parser.error(str(e))
-    print(args.prompt + codec.decode([i for i in ids if i != eot]), flush=True)
+                       args.seed, not args.no_cache, codec.eos_ids)
+    except (ValueError, OSError) as e:        # a source or tokenizer this cannot read: one line
+        parser.error(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    print(args.prompt + codec.decode([i for i in ids if i not in codec.eos_ids]), flush=True)
     print(f"({len(ids)} tokens)", file=sys.stderr)
 
 if __name__ == "__main__":

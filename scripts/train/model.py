@@ -126,8 +126,8 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     """Token ids (batch, seq) -> logits (batch, seq, vocab); the loss is computed outside. A pipeline stage sets the
-    parts it does not own to None: the first stage takes token ids, the others hidden states. The rotary tables are
-    buffers of the root, not saved in checkpoints (init_weights computes them), passed to every block."""
+    parts it does not own to None: the first stage takes token ids, the others hidden states. The rotary tables,
+    buffers of the root passed to every block, are not saved in checkpoints (init_rope computes them)."""
 
     def __init__(self, cfg: LlamaArgs):
         super().__init__()
@@ -179,9 +179,15 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_rope(self) -> None:
         """The rotary tables, on the buffers' device (after to_empty they hold garbage)."""
-        cos, sin = rope_tables(self.cfg)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for buffer, table in zip((self.rope_cos, self.rope_sin), rope_tables(self.cfg)):
+            buffer.copy_(table)
+
+    def to_empty(self, *, device, recurse: bool = True) -> "Llama":
+        """Module.to_empty gives each module a parameter of its own: a tied output is tied to the embedding again."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:   # (no pipeline: a tie)
+            self.output.weight = self.tok_embeddings.weight
+        return self
 
 
 INIT_ROWS = 64     # rows drawn from one generator: the unit a rank draws whole, whatever piece of them it holds

@@ -52,6 +52,7 @@ ALLOWED_THIRD_PARTY = {"torch", "numpy", "torchdata", "safetensors", "tokenizers
 OPTIONAL_THIRD_PARTY = {"torchao": "float8.py"}    # imported inside that module's functions, for --float8 only
 TOKENIZER_VOCAB = 512
 PROMPT = "The with statement"
+LLAMA3 = "Llama-3.2-download"     # tests/recipe/user_folders.py's Llama 3.2 folder, in the project
 LAYERS4 = ["--n-layers", "4", "--accum", "4"]   # 4 stages of one block each for the two-stages-per-rank schedules
 MOE = ["--moe-experts", "4", "--moe-top-k", "2"]
 # What a user's edit might add: dropout after each block's feed-forward (train.py run through this wrapper)
@@ -104,8 +105,9 @@ def _only_the_quick_tier(request) -> bool:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, request) -> tuple[Path, dict]:
-    """An empty project with scripts/train/ copied in and its token files prepared by `train.py prepare` (the byte-level
-    one only for the full module)."""
+    """An empty project with scripts/train/ copied in and its token files prepared by `train.py prepare` (a BPE
+    trained here; for the full module also bytes, and a Llama 3.2 download's tokenizer: that folder copied in as
+    `LLAMA3`)."""
     root = tmp_path_factory.mktemp("project")
     for source in RECIPE.glob("*.py"):
         shutil.copy(source, root / source.name)
@@ -123,7 +125,9 @@ def workspace(tmp_path_factory, request) -> tuple[Path, dict]:
     (root / "not_llama").mkdir()
     (root / "not_llama" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     prepares = [("tokens.bin", ["--train-tokenizer", str(TOKENIZER_VOCAB)])]
-    prepares += [] if _only_the_quick_tier(request) else [("bytes.bin", [])]
+    if not _only_the_quick_tier(request):
+        shutil.copytree(request.getfixturevalue("downloads").llama3, root / LLAMA3)
+        prepares += [("bytes.bin", []), ("l3.bin", ["--tokenizer", LLAMA3])]
     for out, tokenizer in prepares:
         prepared = subprocess.run([sys.executable, "train.py", "prepare", "--text", "corpus.txt", "--out", out,
                                    *tokenizer], cwd=root, env=env, capture_output=True, text=True,
@@ -166,6 +170,13 @@ def runs(workspace, request) -> dict[str, Result]:
               after=("selftest",))
           for suffix, flags in (("", []), ("_no_cache", ["--no-cache"]))],
         Run("bad_flag", ["--no-such-flag"], None),
+        # fine-tuning a download: its weights, its tokenizer's tokens; exported in files of 100 kB, and generated from
+        Run("l3_init", ["--init-from", LLAMA3, "--dim", "64", "--data", "l3.bin", "--steps", "2", "--ckpt-dir",
+                        "ck_l3"], 2),
+        Run("l3_export", ["export", "--ckpt-dir", "ck_l3", "--format", "hf", "--out", "hf_l3", "--max-shard-size",
+                          "100kB"], None, after=("l3_init",)),
+        Run("l3_generate", ["generate.py", "--model", "hf_l3", "--prompt", PROMPT, "--max-new-tokens", "12"], None,
+            after=("l3_export",)),
         # two stages per rank need twice the layers: a one-process run of that model, then the schedules
         Run("one4", [*LAYERS4, "--ckpt-dir", "ck_one4"], 1),
         Run("pp_interleaved", [*LAYERS4, "--pp", "2", "--pp-schedule", "interleaved"], 2),
@@ -510,26 +521,64 @@ def test_the_recipe_imports_only_torch_numpy_torchdata_the_standard_library_and_
     assert not at_top & optional, f"{module} imports {sorted(at_top & optional)} at the top: a run without it fails"
 
 
-def test_an_hf_export_opens_in_transformers_and_gives_the_recipes_logits(runs, workspace):
-    """export --format hf, then `LlamaForCausalLM.from_pretrained`: the logits of the checkpoint's model within
-    1e-5 (both fp32 on the CPU; measured about 1e-7), on a batch of the held-out tokens."""
-    import numpy as np
-    import torch
-    from transformers import LlamaForCausalLM
-
-    root, _ = workspace
-    _assert_clean(runs["export_hf"], "export_hf")
-    assert {p.name for p in (root / "hf_llama").iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
+def _recipe_model(root: Path, checkpoint: str):
+    """The recipe's model of a checkpoint of the workspace's runs, loaded by the copy's generate.py."""
     sys.path.insert(0, str(root))
     try:
         import generate
-        ours, _, _ = generate.load(root / "st" / "ck_fsdp")
+        return generate.load(root / checkpoint)[0]
     finally:
         sys.path.remove(str(root))
+
+
+def test_an_hf_export_opens_in_transformers_and_gives_the_recipes_logits(runs, workspace):
+    """export --format hf, then `LlamaForCausalLM.from_pretrained`: the logits of the checkpoint's model within
+    1e-5 (both fp32 on the CPU; measured about 1e-7), on a batch of the held-out tokens; `AutoTokenizer` opens the
+    BPE trained here with the ids of the token file and its end-of-text token, not a default tokenizer's."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    root, _ = workspace
+    _assert_clean(runs["export_hf"], "export_hf")
+    assert {p.name for p in (root / "hf_llama").iterdir()} == {
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "generation_config.json"}
+    ours = _recipe_model(root, "st/ck_fsdp")
     theirs = LlamaForCausalLM.from_pretrained(root / "hf_llama").eval()
     tokens = torch.from_numpy(np.memmap(root / "tokens.bin", dtype=np.uint16, mode="r")[-64:].astype(np.int64))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens.view(4, 16)).logits, ours(tokens.view(4, 16)), rtol=0, atol=1e-5)
+    meta = json.loads((root / "tokens.bin.json").read_text())
+    trained, opened = Tokenizer.from_file(str(root / meta["tokenizer"] / "tokenizer.json")), \
+        AutoTokenizer.from_pretrained(root / "hf_llama")
+    assert opened(PROMPT).input_ids == trained.encode(PROMPT).ids and opened.eos_token_id == meta["eot_id"]
+
+
+def test_a_run_from_a_llama_download_exports_what_transformers_opens_as_the_download(runs, workspace):
+    """--init-from a Llama 3.2 download (2 ranks), its data prepared with the download's tokenizer; exported past
+    --max-shard-size 100kB: shards and their index that LlamaForCausalLM opens with the recipe's logits, the
+    download's tokenizer (its ids, BOS included, and chat template) and its three end-of-text ids; generate.py
+    writes text from the export."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    root, _ = workspace
+    for name in ("l3_init", "l3_export", "l3_generate"):
+        _assert_clean(runs[name], name)
+    out = root / "hf_l3"
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
+    ours, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(root / LLAMA3)
+    assert ours(PROMPT).input_ids == theirs(PROMPT).input_ids and ours.chat_template == theirs.chat_template
+    listed = GenerationConfig.from_pretrained(root / LLAMA3).eos_token_id
+    assert GenerationConfig.from_pretrained(out).eos_token_id == listed and len(listed) == 3
+    model = _recipe_model(root, "ck_l3")
+    tokens = torch.tensor([ours(PROMPT + " is a compound statement").input_ids])
+    with torch.no_grad():
+        logits = LlamaForCausalLM.from_pretrained(out).eval()(tokens).logits
+        torch.testing.assert_close(logits, model(tokens), rtol=0, atol=1e-5)
+    assert runs["l3_generate"].stdout.startswith(PROMPT), runs["l3_generate"].output
 
 
 def test_init_from_an_hf_folder_starts_from_its_weights_at_another_layout(runs):
