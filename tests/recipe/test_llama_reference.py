@@ -142,3 +142,13 @@ def test_in_bf16_on_a_gpu_ours_is_as_close_to_float32_as_transformers_own_bf16()
     print(f"bf16 logits against float32: ours {ours_gap:.3g}, transformers' {theirs_gap:.3g}")
     assert theirs_gap > 0, "bf16 rounded the reference: the comparison has a scale"
     assert ours_gap <= 2 * theirs_gap, (ours_gap, theirs_gap)
+
+
+def test_a_tied_output_stays_tied_when_the_model_is_made_real_from_the_meta_device():
+    """Module.to_empty gives every module a parameter of its own: a one-process or DDP run (no FSDP2, which keeps
+    the tie) trained the embedding and the output apart, and --init-from a tied folder found no lm_head to load."""
+    with torch.device("meta"):
+        model = Llama(LlamaArgs(**SMALL, tie_embeddings=True))
+    model.to_empty(device="cpu")
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == model.cfg.num_params(), "one matrix, counted once"
