@@ -412,7 +412,7 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", dtype: t
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = HF_WEIGHTS + ".index.json"
 MAX_SHARD_BYTES = 5 * 10 ** 9     # a safetensors file holds at most this much: save_pretrained's "5GB"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shard_files(sizes: dict[str, int], max_bytes: int) -> dict[str, list[str]]:
@@ -444,7 +444,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None
     from model import Llama, hf_name, to_hf
 
     cfg, config = checkpoint_config(checkpoint)
-    dtype = dtype or DTYPES[config.get("args", {}).get("dtype") or "fp32"]
+    dtype = dtype or WEIGHT_DTYPES[config.get("args", {}).get("dtype") or "fp32"]
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in Llama(cfg).state_dict().items()
                   if not (cfg.tie_embeddings and name == "output.weight")}
@@ -531,10 +531,10 @@ def hf_model_config(folder: str | Path):
 
 def hf_dtype(folder: str | Path) -> torch.dtype:
     """The dtype a Hugging Face folder's config.json names (transformers 5's `dtype`, 4's `torch_dtype`), one of
-    DTYPES; float32 where it names none."""
+    WEIGHT_DTYPES; float32 where it names none."""
     config = json.loads((Path(folder) / "config.json").read_text())
     named = config.get("dtype") or config.get("torch_dtype")
-    return {str(t).removeprefix("torch."): t for t in DTYPES.values()}.get(named, torch.float32)
+    return {str(t).removeprefix("torch."): t for t in WEIGHT_DTYPES.values()}.get(named, torch.float32)
 
 
 def _hf_tensor_files(folder: Path) -> dict[str, Path]:
@@ -618,7 +618,7 @@ def export_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ckpt-dir", required=True, help="a --ckpt-dir of a training run, or one step_N in it")
     parser.add_argument("--out", required=True, help="the file (pt) or folder (hf) to write")
     parser.add_argument("--format", choices=["pt", "hf"], default="pt")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="hf: the weights' dtype (default: the run's)")
+    parser.add_argument("--dtype", choices=sorted(WEIGHT_DTYPES), help="hf: the weights' dtype (default: the run's)")
     parser.add_argument("--max-shard-size", default="5GB", help="hf: the largest safetensors file (default 5GB, "
                         "as save_pretrained; a tensor larger than this gets a file of its own)")
     args = parser.parse_args(argv)
@@ -628,7 +628,7 @@ def export_main(argv: list[str] | None = None) -> None:
         parser.error(f"no committed checkpoint in {path}")
     try:
         if args.format == "hf":
-            export_hf(source, args.out, DTYPES.get(args.dtype), parse_bytes(args.max_shard_size))
+            export_hf(source, args.out, WEIGHT_DTYPES.get(args.dtype), parse_bytes(args.max_shard_size))
         else:
             export(source, args.out)
     except (ValueError, OSError) as e:     # a checkpoint these exports cannot read, a folder they cannot write

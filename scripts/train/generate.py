@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA device")
     try:
-        model, tokenizer = load(args.model, device, ckpt.DTYPES.get(args.dtype))
+        model, tokenizer = load(args.model, device, ckpt.WEIGHT_DTYPES.get(args.dtype))
         if args.tokenizer is None and tokenizer is None and model.cfg.vocab_size > 256:
             raise ValueError(f"the model's vocabulary is {model.cfg.vocab_size} tokens, and no tokenizer is known "
                              "for it: give --tokenizer")
