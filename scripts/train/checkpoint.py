@@ -437,8 +437,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype | None
     Face does) in safetensors files of at most `max_shard_bytes`, with `model.safetensors.index.json` when there are
     several, then config.json and the tokenizer's files (`write_hf_config`). Written file by file in one process:
     DCP reads one file's tensors from the checkpoint, converted to `dtype` as they are copied in, so the memory
-    held is one file's, not the model's. `LlamaForCausalLM.from_pretrained(out)` opens it
-    (tests/recipe/test_llama_reference.py); so do vLLM and the evaluation harnesses."""
+    held is one file's, not the model's. `LlamaForCausalLM.from_pretrained(out)` and `AutoTokenizer` open it as
+    they open the download it may have started from (tests/recipe/test_checkpoint_hf.py); so do vLLM and the
+    evaluation harnesses."""
     from safetensors.torch import save_file
 
     from model import Llama, hf_name, to_hf
