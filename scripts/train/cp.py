@@ -162,9 +162,11 @@ class ContextParallelAttention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = attention.wq, attention.wk, attention.wv, attention.wo
         self.head_dim, self.group, self.balanced = attention.head_dim, group, balanced
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, mask=None):
         if cache is not None:
             raise ValueError("context parallelism splits training sequences; generation runs in one process")
+        if mask is not None:
+            raise ValueError("the ring attends causally over one sequence; packed sequences (a mask) are not built")
         b, t, _ = x.shape
         q, k, v = (w(x).view(b, t, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos[:t], sin[:t]), apply_rotary(k, cos[:t], sin[:t])    # this rank's positions

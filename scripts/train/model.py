@@ -54,18 +54,20 @@ def rope_tables(cfg: LlamaArgs, device=None) -> tuple[torch.Tensor, torch.Tensor
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each consecutive pair (x[2i], x[2i+1]) of every head by its position's angle: x is (batch, seq, heads,
-    head_dim), cos and sin (seq, head_dim / 2). Meta's and torchtitan's convention (interleaved pairs; Hugging Face
+    head_dim), cos and sin (seq, head_dim / 2), or (batch, seq, head_dim / 2) where each sequence's tokens have
+    positions of their own (packed conversations, each from 0). Meta's and torchtitan's convention (interleaved pairs; Hugging Face
     pairs x[i] with x[i + head_dim/2] instead, and `to_hf` permutes wq and wk to match). In float32, as Meta's."""
     pairs = x.float().unflatten(-1, (-1, 2))
     x1, x2 = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[:, None, :], sin[:, None, :]             # the same angle for every head
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)         # the same angle for every head
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
     """Causal self-attention with rotary positions and grouped-query attention: wk and wv make n_kv_heads heads,
     each repeated for its group of n_heads / n_kv_heads query heads (fewer key/value bytes to keep and to cache,
-    the same attention otherwise)."""
+    the same attention otherwise). `mask`: packed sequences (Llama.forward's `positions`), a (batch, 1, seq, seq)
+    boolean mask that keeps each token's attention inside its own sequence."""
 
     def __init__(self, cfg: LlamaArgs):
         super().__init__()
@@ -75,11 +77,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 heads: all of them in one process, this rank's whole heads under tensor parallelism
         q, k, v = (w(x).view(b, t, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
-        q, k = apply_rotary(q, cos[:t], sin[:t]), apply_rotary(k, cos[:t], sin[:t])     # the angles of these positions
+        cos, sin = cos[..., :t, :], sin[..., :t, :]         # the angles of these positions
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))    # (batch, heads, seq, head_dim)
         past = 0
         if cache is not None:                               # generation: the earlier tokens' keys and values
@@ -87,7 +91,9 @@ class Attention(nn.Module):
             k, v = cache.update(k, v)
         group = q.shape[1] // k.shape[1]                    # query heads per key/value head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if past == 0 or t == 1:                             # all tokens new (training), or one new token
+        if mask is not None:                                # packed sequences: causal within each
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif past == 0 or t == 1:                           # all tokens new (training), or one new token
             y = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0)
         else:                                               # several new tokens after cached ones
             mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
@@ -119,15 +125,30 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+
+def block_causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The attention mask of sequences packed into rows, (batch, 1, seq, seq), True where a query may look: at its
+    own and earlier tokens of its own sequence. A sequence begins wherever the position does not continue the one
+    before (position 0 in a pack of whole conversations). SDPA takes it as is, tensor parallel too (each rank's
+    heads); it costs seq x seq bytes per row, which FlexAttention's block mask would not."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    sequence = starts.cumsum(dim=1)                         # which sequence of the row each token belongs to
+    causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool, device=positions.device).tril()
+    return ((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
 
 
 class Llama(nn.Module):
     """Token ids (batch, seq) -> logits (batch, seq, vocab); the loss is computed outside. A pipeline stage sets the
     parts it does not own to None: the first stage takes token ids, the others hidden states. The rotary tables,
-    buffers of the root passed to every block, are not saved in checkpoints (init_rope computes them)."""
+    buffers of the root passed to every block, are not saved in checkpoints (init_rope computes them). `positions`
+    (batch, seq): several sequences packed in a row, each from position 0 (block_causal_mask keeps them apart)."""
 
     def __init__(self, cfg: LlamaArgs):
         super().__init__()
@@ -142,16 +163,17 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None) -> torch.Tensor:
         start = 0 if cache is None else cache.length
         if start + tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"{start + tokens.shape[1]} positions exceed max_seq_len {self.cfg.max_seq_len}")
-        # from this position on: a later pipeline stage under sequence parallelism holds a piece of the sequence,
-        # and its attention cuts the angles to the whole length once it has gathered it
-        cos, sin = self.rope_cos[start:], self.rope_sin[start:]
+        # from `start` on, whole: under sequence parallelism the attention cuts them once it has the whole sequence
+        cos, sin, mask = self.rope_cos[start:], self.rope_sin[start:], None
+        if positions is not None:          # packed sequences: each token's own angles, attention within its sequence
+            cos, sin, mask = self.rope_cos[positions], self.rope_sin[positions], block_causal_mask(positions)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for name, block in self.layers.items():
-            h = block(h, cos, sin, None if cache is None else cache.layer(int(name)))
+            h = block(h, cos, sin, None if cache is None else cache.layer(int(name)), mask=mask)
         if cache is not None:
             cache.length += tokens.shape[1]
         if self.norm is not None:
@@ -241,11 +263,6 @@ def local_piece(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], 
     return tuple(starts), tuple(lengths), local
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss on float32 logits (a bf16 softmax would lose the loss's low bits)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
 class KVCache:
     """The keys and values of the tokens generated so far, per block, so each new token runs the model on itself
     alone (one process, inference). Holds n_kv_heads heads, not n_heads: grouped-query attention's saving."""
@@ -278,6 +295,62 @@ class _LayerCache:
         self.cache.k[self.index, :, :, start:end] = k
         self.cache.v[self.index, :, :, start:end] = v
         return self.cache.k[self.index, :, :, :end], self.cache.v[self.index, :, :, :end]
+
+
+IGNORE_INDEX = -100           # a target that is none (a prompt's token, padding): F.cross_entropy's default
+LOSS_CHUNK_BYTES = 2 ** 26    # float32 bytes of logits the loss works on at a time (rows of 256 at vocab 65,536)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The summed loss of rows of logits (tokens, vocab) against targets (tokens,), in float32 whatever the logits'
+    dtype, `rows` at a time. Saved for backward: the logits as they are (bf16 under autocast), the targets and one
+    float32 log-sum-exp per row. Backward recomputes each chunk's softmax in float32 and writes the gradient in the
+    logits' dtype. F.cross_entropy on logits.float() holds all of them in float32 instead (the copy, the log-softmax
+    it saves, then their gradients): at vocab 128k, 512 KiB per token for each float32 copy."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], rows):     # float32 from here on: bf16 - float32 promotes
+            chunk = logits[start:start + rows]
+            top = chunk.amax(dim=-1, keepdim=True).float()
+            lse[start:start + rows] = torch.sub(chunk, top).exp_().sum(dim=-1).log_() + top.squeeze(1)
+        counted = targets != IGNORE_INDEX
+        picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1).float()   # each target's logit
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.rows = rows
+        return torch.where(counted, lse - picked, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        weight = torch.where(targets != IGNORE_INDEX, grad, 0.0)     # d loss / d row's loss: 0 for no target
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            end = start + ctx.rows
+            p = torch.sub(logits[start:end], lse[start:end, None]).exp_()          # the softmax, float32
+            p.scatter_add_(1, targets[start:end].clamp(min=0)[:, None], p.new_full((len(p), 1), -1.0))  # - one-hot
+            grad_logits[start:end] = p.mul_(weight[start:end, None])               # cast to the logits' dtype
+            del p                                      # freed before the next chunk's: one chunk alive at a time
+        return grad_logits, None, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token loss of logits (batch, seq, vocab) against targets (batch, seq), in float32 (a bf16 softmax would
+    lose the loss's low bits). Targets equal to IGNORE_INDEX count for nothing; "mean" divides by the targets that
+    count, "sum" does not (to average over several micro-batches' targets). Chunked (ChunkedCrossEntropy) rather
+    than an output projection fused with the loss: the model still returns logits, which generation, the pipeline's
+    stages and the tests read. Under tensor parallel's loss_parallel the logits are a DTensor split over the
+    vocabulary, which the chunks cannot take: there F.cross_entropy, whose parallel form holds each rank's share."""
+    from torch.distributed.tensor import DTensor
+
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction {reduction!r}: mean or sum")
+    flat, targets = logits.flatten(0, 1), targets.flatten()
+    if isinstance(logits, DTensor):
+        return F.cross_entropy(flat.float(), targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+    total = ChunkedCrossEntropy.apply(flat, targets, max(1, LOSS_CHUNK_BYTES // (4 * flat.shape[-1])))
+    return total if reduction == "sum" else total / (targets != IGNORE_INDEX).sum()
 
 
 # ------------------------------------------------------------------------------------ Hugging Face's Llama, both ways
