@@ -68,14 +68,17 @@ def merge(out, lse, block_out, block_lse):
             both)
 
 
-def start_shift(buffer: torch.Tensor, group):
-    """Send `buffer` to the next rank of the ring and receive the previous rank's, without waiting: returns the
-    tensor being received and the works to wait on (the compute of this step overlaps the transfer)."""
+def start_shift(buffers, group):
+    """Send `buffers` (a tensor, or a list of them) to the next rank of the ring and receive the previous rank's,
+    without waiting: returns what is being received (shaped alike) and the works to wait on (the compute of this
+    step overlaps the transfer)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    received = torch.empty_like(buffer)
-    ops = [dist.P2POp(dist.isend, buffer, dist.get_global_rank(group, (rank + 1) % world), group),
-           dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % world), group)]
-    return received, dist.batch_isend_irecv(ops)
+    sent = list(buffers) if isinstance(buffers, (list, tuple)) else [buffers]
+    received = [torch.empty_like(b) for b in sent]
+    after, before = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
+    ops = [op for s, r in zip(sent, received)
+           for op in (dist.P2POp(dist.isend, s, after, group), dist.P2POp(dist.irecv, r, before, group))]
+    return (received if isinstance(buffers, (list, tuple)) else received[0]), dist.batch_isend_irecv(ops)
 
 
 def finish_shift(pending) -> torch.Tensor:
@@ -101,39 +104,43 @@ class RingAttention(torch.autograd.Function):
     rank attends to the key/value block it holds and passes it on around the ring, the partial outputs merged by
     the online softmax. Backward: the blocks go round again, each with the gradient of its keys and values
     accumulating as it travels, until a last shift brings it home. Saves only q, k, v, the output and the
-    log-sum-exp (flash attention's choice): no (tokens x tokens) scores are kept."""
+    log-sum-exp (flash attention's choice): no (tokens x tokens) scores are kept. As flash attention, it keeps the
+    scores, the running output and log-sum-exp and the gradient sums in float32 (or `stats`; float64 inputs stay
+    float64) whatever the inputs' dtype, and casts back at the end; keys and values travel in their own dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, balanced):
+    def forward(ctx, q, k, v, group, balanced, stats=None):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         mine, scale, g = cp_chunks(rank, world, balanced), 1.0 / math.sqrt(q.shape[-1]), q.shape[1] // k.shape[1]
-        qs, out, lse = q.chunk(2, dim=2), [None, None], [None, None]
+        acc = stats or torch.promote_types(q.dtype, torch.float32)
+        qs, out, lse = q.to(acc).chunk(2, dim=2), [None, None], [None, None]
         kv = torch.stack([k, v])
         for step in range(world):
             pending = start_shift(kv, group) if step < world - 1 else None
-            ks, vs = _heads(kv[0], g).chunk(2, dim=2), _heads(kv[1], g).chunk(2, dim=2)
+            ks, vs = _heads(kv[0].to(acc), g).chunk(2, dim=2), _heads(kv[1].to(acc), g).chunk(2, dim=2)
             for i, j, diagonal in visible_blocks(mine, cp_chunks((rank - step) % world, world, balanced)):
                 o, l = attend(qs[i], ks[j], vs[j], scale, diagonal)
                 out[i], lse[i] = (o, l) if out[i] is None else merge(out[i], lse[i], o, l)
             if pending is not None:
                 kv = finish_shift(pending)
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        out, lse = torch.cat(out, dim=2).to(q.dtype), torch.cat(lse, dim=2)     # lse stays in `acc`
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.balanced = group, balanced
+        ctx.group, ctx.balanced, ctx.acc = group, balanced, acc
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, balanced = ctx.group, ctx.balanced
+        group, balanced, acc = ctx.group, ctx.balanced, ctx.acc
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         mine, scale, g = cp_chunks(rank, world, balanced), 1.0 / math.sqrt(q.shape[-1]), q.shape[1] // k.shape[1]
-        delta = (dout * out).sum(-1)                     # softmax's backward: sum_j p_ij dp_ij, per query
-        qs, dos, lses, deltas = (t.chunk(2, dim=2) for t in (q, dout, lse, delta))
+        dout = dout.to(acc)
+        delta = (dout * out.to(acc)).sum(-1)            # softmax's backward: sum_j p_ij dp_ij, per query
+        qs, dos, lses, deltas = (t.chunk(2, dim=2) for t in (q.to(acc), dout, lse, delta))
         dq = [torch.zeros_like(c) for c in qs]
-        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)
+        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=acc, device=k.device)
         for step in range(world):
-            kh, vh = _heads(kv[0], g), _heads(kv[1], g)
+            kh, vh = _heads(kv[0].to(acc), g), _heads(kv[1].to(acc), g)
             dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
             ks, vs, dk, dv = (t.chunk(2, dim=2) for t in (kh, vh, dkh, dvh))
             for i, j, diagonal in visible_blocks(mine, cp_chunks((rank - step) % world, world, balanced)):
@@ -143,13 +150,12 @@ class RingAttention(torch.autograd.Function):
                 dq[i].add_(ds @ ks[j] * scale)
                 dk[j].add_(ds.transpose(-2, -1) @ qs[i] * scale)
             dkv += torch.stack([d.unflatten(1, (-1, g)).sum(2) for d in (dkh, dvh)])   # back to kv_heads
-            # the block's gradient travels with it; after `world` shifts it is back with the rank that owns it
+            # the block's gradient travels with it, in `acc`; after `world` shifts it is home with its owner
             if step < world - 1:
-                both = finish_shift(start_shift(torch.cat([kv, dkv]), group))
-                kv, dkv = both[:2], both[2:]
+                kv, dkv = finish_shift(start_shift([kv, dkv], group))
             elif world > 1:
                 dkv = finish_shift(start_shift(dkv, group))
-        return torch.cat(dq, dim=2), dkv[0], dkv[1], None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 class ContextParallelAttention(nn.Module):

@@ -1,5 +1,6 @@
 """The recipe's context parallelism (scripts/train/cp.py, written by notebook 08b): the chunks each rank holds, the
-online softmax, and ring attention and `apply_cp` against one process on gloo ranks, with the bytes the ring sends."""
+online softmax, and ring attention and `apply_cp` against one process on gloo ranks, with the bytes the ring sends; in
+bf16, the ring's float32 statistics against bf16 ones, both held against float64."""
 from __future__ import annotations
 
 import math
@@ -114,3 +115,56 @@ def test_ring_attention_and_apply_cp_equal_one_process(world):
         assert r["sent"] == [(2 * (world - 1) + 4 * (world - 1) + 2) * block] * 2, \
             "forward: N-1 shifts of k, v; backward: N-1 of k, v, dk, dv and one of dk, dv"
         assert r["model_gap"] < 1e-6 and r["whole_tables"]
+
+
+def _ring_in_bf16(seq):
+    """bf16 q, k, v and output gradient (4 query heads, 2 key/value heads, head_dim 64; q and k of standard deviation
+    2, so that the scores spread as a trained model's do) through the ring twice, its statistics in float32 (the
+    default) and in bf16, each against float64 causal SDPA on the same bf16 numbers. Returns, per run, the
+    norm-wise relative error ||ring - reference|| / ||reference|| of the output, dq, dk and dv."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(SCRIPTS / "train"))
+    from cp import RingAttention, cp_positions
+
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        g = torch.Generator().manual_seed(0)
+        q = (2 * torch.randn(1, 4, seq, 64, generator=g)).bfloat16()
+        k = (2 * torch.randn(1, 2, seq, 64, generator=g)).bfloat16()
+        v, grad = torch.randn(1, 2, seq, 64, generator=g).bfloat16(), torch.randn(1, 4, seq, 64, generator=g).bfloat16()
+        whole = [t.double().requires_grad_() for t in (q, k, v)]
+        one = F.scaled_dot_product_attention(whole[0], *(t.repeat_interleave(2, 1) for t in whole[1:]), is_causal=True)
+        one.backward(grad.double())
+        mine = cp_positions(seq, rank, world)
+        errors = {}
+        for name, stats in (("float32", None), ("bf16", torch.bfloat16)):
+            local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+            out = RingAttention.apply(*local, dist.group.WORLD, True, stats)
+            out.backward(grad[:, :, mine])
+            assert out.dtype == local[0].grad.dtype == torch.bfloat16, "cast back to the inputs' dtype"
+            pairs = [(out, one[:, :, mine])] + [(a.grad, b.grad[:, :, mine]) for a, b in zip(local, whole)]
+            errors[name] = [((a.double() - b).norm() / b.norm()).item() for a, b in pairs]
+        return errors
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_in_bf16_the_rings_float32_statistics_beat_bf16_ones(world):
+    """The tolerance: each float32-statistics result is rounded to bf16 once at the end (8 bits of mantissa: at most
+    2^-9 relative), and the backward reads the bf16-rounded output, as flash attention's does (its delta = sum of
+    dout x out carries a second rounding, which dp - delta can amplify in the gradients); float32 sums over S = 768
+    keys add at most S x 2^-24, about 5e-5. So 2^-8 for the output, 2^-7 for the gradients (measured here: 1.7e-3
+    and at most 3.3e-3). With bf16 statistics each score is rounded to bf16, an error of |score| x 2^-9 in the
+    exponent of every probability, and the running output and log-sum-exp are rounded at every merge: measured 10
+    to 18 times the float32 statistics' error; the test asks for 4."""
+    for rank, errors in enumerate(launch(_ring_in_bf16, 768, world_size=world, timeout=300)):
+        fp32, bf16 = errors["float32"], errors["bf16"]
+        assert fp32[0] < 2 ** -8 and max(fp32[1:]) < 2 ** -7, f"rank {rank}: output, dq, dk, dv {fp32}"
+        assert all(b > 4 * f for f, b in zip(fp32, bf16)), f"rank {rank}: float32 {fp32} against bf16 {bf16}"
