@@ -612,13 +612,7 @@ def train_loader(data: list, seq_len: int, local_batch: int, dp_rank: int, dp_si
                  seed: int = 0):
     """torchdata's StatefulDataLoader over the training windows of --data (`sources`): one source's through
     GlobalBatchSampler, several mixed by weight through MixtureSampler. `next(iter(loader))` is this rank's
-    micro-batch, and `loader.state_dict()` its exact position (kept in the checkpoint). Its own generator: each
-    `iter(loader)` draws a seed, which would otherwise come from the global generator and shift the draws of dropout
-    after a resume."""
-    import warnings
-
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
+    micro-batch, and `loader.state_dict()` its exact position (kept in the checkpoint)."""
     mixture = sources(data)
     shards = [[load_tokens(p, "train") for p in source.files] for source in mixture]
     windows = TokenWindows([tokens for group in shards for tokens in group], seq_len)
@@ -631,6 +625,16 @@ def train_loader(data: list, seq_len: int, local_batch: int, dp_rank: int, dp_si
         sampler = GlobalBatchSampler(len(windows), local_batch, dp_rank, dp_size, global_batch, seed)
     else:
         sampler = MixtureSampler(sizes, [s.weight for s in mixture], local_batch, dp_rank, dp_size, seed)
+    return _stateful_loader(windows, sampler, seed)
+
+
+def _stateful_loader(windows, sampler, seed: int):
+    """A StatefulDataLoader of `windows` in `sampler`'s order. Its own generator: each `iter(loader)` draws a seed,
+    which would otherwise come from the global generator and shift the draws of dropout after a resume."""
+    import warnings
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which newer torch deprecates
         warnings.filterwarnings("ignore", message=".*set_vital")
         return StatefulDataLoader(windows, batch_sampler=sampler, num_workers=0,
@@ -642,17 +646,23 @@ def eval_batches(data: list, seq_len: int, local_batch: int, dp_rank: int, dp_si
     turn (the first window of each shard, then the second, ...), the same set at every layout, so the evaluation
     loss is comparable between layouts and speaks for the whole corpus, not for its first shard."""
     windows = TokenWindows([load_tokens(p, "eval") for s in sources(data) for p in s.files], seq_len)
+    return _held_out_batches(windows, local_batch, dp_rank, dp_size, max_windows)
+
+
+def _held_out_batches(windows, local_batch: int, dp_rank: int, dp_size: int, max_windows: int):
+    """eval_batches' order over any windows with `starts` (each shard's first window)."""
     counts, order, depth = np.diff(windows.starts), [], 0
     while len(order) < min(len(windows), max_windows):
         order += [int(windows.starts[s]) + depth for s in np.flatnonzero(counts > depth)]
         depth += 1
     n = min(len(order), max_windows) // dp_size * dp_size
     if n == 0:
-        raise ValueError(f"the held-out tail has {len(windows)} windows of {seq_len}: fewer than {dp_size} ranks")
+        raise ValueError(f"the held-out tail has {len(windows)} windows of {windows.seq_len}: fewer than {dp_size} "
+                         "ranks")
     mine = order[dp_rank:n:dp_size]
     for i in range(0, len(mine), local_batch):
         items = [windows[j] for j in mine[i:i + local_batch]]
-        yield torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+        yield tuple(torch.stack(parts) for parts in zip(*items))     # (inputs, targets[, positions])
 
 
 def fingerprint(data: list, seq_len: int, seed: int) -> dict:
@@ -689,12 +699,273 @@ def fingerprint_change(saved: dict, now: dict) -> str | None:
     return None
 
 
+# ------------------------------------------------------------------------- supervised fine-tuning: conversations
+from model import IGNORE_INDEX  # noqa: E402  (notebook 03's loss: a target that is none)
+
+# Each role's message, then the end-of-sequence token (an assistant's ends its turn): for a tokenizer without a
+# chat template of its own (Llama 2's, GPT-2's, one trained here).
+DEFAULT_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}{{- message['role'] + ': ' + message['content'] | trim + eos_token }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}")
+
+
+_COMPILED: dict = {}      # chat template -> compiled: rendered twice per assistant turn
+
+
+def _chat_template(source: str):
+    """A chat template compiled as transformers' apply_chat_template compiles it: a sandboxed Jinja2 environment
+    with trim_blocks and lstrip_blocks, the loop controls, `raise_exception`, a `tojson` that keeps non-ASCII
+    text, and `strftime_now` (fixed when compiled, so that every prefix of a conversation renders the same date)."""
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    if source not in _COMPILED:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception, strftime_now=datetime.now().strftime)
+        _COMPILED[source] = env.from_string(source)
+    return _COMPILED[source]
+
+
+def render_chat(tok: HFTokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """A conversation as text, written by the tokenizer's chat template (else DEFAULT_CHAT_TEMPLATE) with the
+    variables transformers passes: messages, bos_token and eos_token (as text), add_generation_prompt, and no tools
+    or documents. The template writes the special tokens: encode the text without adding any."""
+    name = tok.tokenizer.id_to_token
+    if tok.chat_template:
+        bos = name(tok.bos_id) if tok.bos_id is not None else ""
+        template = tok.chat_template
+    else:                     # the default opens with BOS only where it is not the EOS (GPT-2's is)
+        bos = name(tok.bos_id) if tok.bos_id not in (None, tok.eos_id) else ""
+        template = DEFAULT_CHAT_TEMPLATE
+    return _chat_template(template).render(messages=messages, bos_token=bos, eos_token=name(tok.eos_id),
+                                           add_generation_prompt=add_generation_prompt, tools=None, documents=None)
+
+
+def conversation_tokens(tok: HFTokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """The token ids of a conversation (its whole rendering encoded, as apply_chat_template encodes it) and, per
+    token, whether it is a target: whether it ends inside an assistant turn, the turn's text and its end-of-turn
+    token. A turn's characters are found by rendering prefixes of the conversation: the messages before it with
+    the generation prompt (the header the model answers after) end where the turn begins, the messages through it
+    end where it ends. Robust to tokens that merge across the edges; a template that does not write a
+    conversation prefix by prefix (one that changes earlier turns when later ones come) is refused."""
+    text = render_chat(tok, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            before, through = render_chat(tok, messages[:i], True), render_chat(tok, messages[:i + 1])
+            if not (text.startswith(through) and through.startswith(before)):
+                raise ValueError(f"the chat template does not write the conversation prefix by prefix (turn {i})")
+            spans.append((len(before), len(through)))
+    encoding = tok.tokenizer.encode(text, add_special_tokens=False)
+    return encoding.ids, [any(a < end <= b for a, b in spans) for _, end in encoding.offsets]
+
+
+def read_conversations(path: str | Path) -> list[list[dict]]:
+    """A JSON-lines file of conversations as the chat data sets on the Hub store them: one object per line, its
+    `messages` a list of {"role", "content"} (roles system, user, assistant). ValueError names the line."""
+    conversations = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            messages = json.loads(line)["messages"]
+            if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
+                raise TypeError("a role or a content is not a string")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}, line {number}: not a conversation "
+                             f'({{"messages": [{{"role": ..., "content": ...}}, ...]}}): {e}') from None
+        conversations.append(messages)
+    return conversations
+
+
+def sft_file(tokens_file: str | Path, part: str) -> Path:
+    """Beside an SFT token file: OUT.targets (a byte per token, 1 for a target) or OUT.starts (each conversation's
+    first token, int64, and the end)."""
+    return Path(f"{tokens_file}.{part}")
+
+
+def prepare_sft(conversations: list[list[dict]], out: str | Path, tokenizer, eval_fraction: float = 0.05) -> Path:
+    """Write conversations for supervised fine-tuning: their tokens, one conversation after another, to `out` (the
+    token file's format, read by load_tokens), which tokens are targets to `out`.targets, where each conversation
+    begins to `out`.starts, the metadata to `out`.json (with an "sft" entry) and the tokenizer's folder beside them.
+    `tokenizer`: an HFTokenizer, or a folder read_tokenizer reads. The last `eval_fraction` of the conversations
+    (at least one) is held out. A conversation with no target past its first token teaches nothing: left out."""
+    import jinja2
+
+    tok = tokenizer if isinstance(tokenizer, HFTokenizer) else read_tokenizer(tokenizer)
+    vocab = tok.tokenizer.get_vocab_size()
+    dtype = np.uint16 if vocab <= 2 ** 16 else np.uint32
+    ids, targets, starts = [], [], [0]
+    for number, messages in enumerate(conversations, 1):
+        try:
+            t, m = conversation_tokens(tok, messages)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"conversation {number}: the chat template refused it: {e}") from None
+        if any(m[1:]):
+            ids.append(np.array(t, dtype=dtype))
+            targets.append(np.array(m, dtype=np.uint8))
+            starts.append(starts[-1] + len(t))
+    n = len(ids)
+    held = max(1, round(n * eval_fraction))
+    if n - held < 1:
+        raise ValueError(f"{n} conversation(s) with an assistant turn: too few to hold {held} out and train on more")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    folder = out.with_name(out.name + ".tokenizer")
+    save_tokenizer(tok, folder)
+    tokens, targets = np.concatenate(ids), np.concatenate(targets)
+    meta = {"dtype": tokens.dtype.name, "vocab_size": vocab, "tokens": int(len(tokens)), "eval_start": starts[n - held],
+            "eot_id": tok.eos_id, "bos_id": tok.bos_id, "tokenizer": folder.name,
+            "sft": {"conversations": n, "held_out": held, "left_out": len(conversations) - n,
+                    "targets": int(targets.sum()), "chat_template": "its own" if tok.chat_template else "the default"}}
+    _write_atomically(sft_file(out, "targets"), targets.tofile)
+    _write_atomically(sft_file(out, "starts"), np.array(starts, dtype=np.int64).tofile)
+    _write_atomically(out, tokens.tofile)
+    _write_atomically(meta_path(out), lambda p: p.write_text(json.dumps(meta)))    # last: the file is complete
+    return out
+
+
+class PackedConversations(torch.utils.data.Dataset):
+    """Windows of seq_len tokens over SFT token files (prepare_sft; several are shards, no window spans two), each
+    of whole conversations (pack), item i (inputs, targets, positions): a target is the next token where that one
+    is a target, IGNORE_INDEX elsewhere (prompts, a conversation's last token, padding); positions restart at 0 with
+    each conversation and with the padding that fills the tail (Llama.forward's `positions`). A conversation longer
+    than seq_len is truncated to its first seq_len tokens (counted in `truncated`), or left out where no target is
+    left (`dropped`)."""
+
+    def __init__(self, paths: list, seq_len: int, split: str):
+        self.seq_len, self.shards, self.truncated, self.dropped = seq_len, [], 0, 0
+        for path in paths:
+            meta = read_meta(path)
+            if "sft" not in meta:
+                raise ValueError(f"{path} holds no conversations: make it with `train.py prepare --sft`")
+            starts = np.fromfile(sft_file(path, "starts"), dtype=np.int64)
+            cut = int(np.searchsorted(starts, meta["eval_start"]))
+            starts = starts[:cut + 1] if split == "train" else starts[cut:]
+            targets = np.memmap(sft_file(path, "targets"), dtype=np.uint8, mode="r", shape=(meta["tokens"],))
+            lengths, keep = np.diff(starts), np.ones(len(starts) - 1, dtype=bool)
+            for i in np.flatnonzero(lengths > seq_len):
+                keep[i] = targets[starts[i] + 1:starts[i] + seq_len].any()
+                self.truncated, self.dropped = self.truncated + int(keep[i]), self.dropped + int(not keep[i])
+            begin, lengths = starts[:-1][keep], np.minimum(lengths[keep], seq_len)
+            tokens = np.memmap(path, dtype=DTYPES[meta["dtype"]], mode="r", shape=(meta["tokens"],))
+            self.shards.append((tokens, targets, begin, lengths, pack(lengths, seq_len), meta.get("eot_id") or 0))
+        self.starts = np.cumsum([0] + [len(shard[4]) - 1 for shard in self.shards])    # each shard's first window
+        self.n = int(self.starts[-1])
+        if self.n < 1:
+            raise ValueError(f"the {split} conversations of {[str(p) for p in paths]} make no window")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        shard = int(np.searchsorted(self.starts, i, side="right")) - 1
+        tokens, targets, begin, lengths, first, pad = self.shards[shard]
+        w = i - int(self.starts[shard])
+        x, y = np.full(self.seq_len, pad, dtype=np.int64), np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        positions, at = np.zeros(self.seq_len, dtype=np.int64), 0
+        for c in range(first[w], first[w + 1]):
+            s, n = int(begin[c]), int(lengths[c])
+            x[at:at + n] = tokens[s:s + n]
+            y[at:at + n - 1] = np.where(targets[s + 1:s + n] == 1, x[at + 1:at + n], IGNORE_INDEX)
+            positions[at:at + n] = np.arange(n)
+            at += n
+        positions[at:] = np.arange(self.seq_len - at)       # the padding: a sequence of its own, no targets
+        return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(positions)
+
+
+def pack(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """Greedy packing in file order (next fit): a window takes whole conversations while they fit in seq_len tokens;
+    a conversation longer than that fills a window alone (truncated by the caller). Returns `first`: window w
+    holds conversations first[w] to first[w + 1] - 1 (a number per window, not a table per token)."""
+    first, used = [0], 0
+    for i, n in enumerate(lengths):
+        if used and used + n > seq_len:
+            first.append(i)
+            used = 0
+        used += int(n)
+    return np.array(first + [len(lengths)], dtype=np.int64)
+
+
+def sft_loader(data: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, global_batch: int,
+               seed: int = 0):
+    """train_loader for supervised fine-tuning: GlobalBatchSampler and its state over windows of packed
+    conversations (PackedConversations), batches of (inputs, targets, positions); a checkpoint resumes it exactly.
+    `data` names SFT token files as --data names shards (`sources`: files, comma lists, globs; no weights)."""
+    windows = PackedConversations(_sft_files(data), seq_len, "train")
+    sampler = GlobalBatchSampler(len(windows), local_batch, dp_rank, dp_size, global_batch, seed)
+    return _stateful_loader(windows, sampler, seed)
+
+
+def sft_eval_batches(data: list, seq_len: int, local_batch: int, dp_rank: int, dp_size: int, max_windows: int):
+    """eval_batches for supervised fine-tuning: the held-out conversations, packed, as (inputs, targets, positions)."""
+    windows = PackedConversations(_sft_files(data), seq_len, "eval")
+    return _held_out_batches(windows, local_batch, dp_rank, dp_size, max_windows)
+
+
+def _sft_files(data: list) -> list[Path]:
+    mixture = sources(data)
+    if len(mixture) > 1:
+        raise ValueError("--sft: conversations are not mixed by weight (name the files alone)")
+    return list(mixture[0].files)
+
+
+def check_sft(data: list, cp: int = 1, pp: int = 1) -> None:
+    """What supervised fine-tuning here does not take, refused in one line (ValueError): a token file without
+    conversations; context parallelism (the ring attends causally over one sequence: the packed sequences' mask is
+    not built into it); a pipeline (its schedules pass one tensor between stages: the positions would have to
+    travel too, not built). FSDP2, DDP, tensor parallel, checkpointing and compile take the mask as it is."""
+    if cp > 1:
+        raise ValueError("--sft with --cp: ring attention over packed conversations is not built (use FSDP2 or --tp)")
+    if pp > 1:
+        raise ValueError("--sft with --pp: the pipeline's stages do not pass the packed positions (use FSDP2 or --tp)")
+    plain = [str(p) for p in _sft_files(data) if "sft" not in read_meta(p)]
+    if plain:
+        raise ValueError(f"{', '.join(plain)}: no conversations in it (make one with `train.py prepare --sft`)")
+
+
+def prepare_sft_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`prepare --sft CHAT.jsonl ... --tokenizer FOLDER --out OUT`: main's path for conversations."""
+    if not args.tokenizer:
+        parser.error("--sft needs --tokenizer: the folder of the model to fine-tune (its chat template and tokens)")
+    if args.doc_separator or args.shard_tokens or args.workers != 1:
+        parser.error("--doc-separator, --shard-tokens and --workers are for --text; --sft writes one file")
+    missing = [p for p in args.sft + [args.tokenizer] if not Path(p).exists()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
+    try:
+        tok = read_tokenizer(args.tokenizer, args.eos_token)
+        out = prepare_sft([c for p in args.sft for c in read_conversations(p)], args.out, tok, args.eval_fraction)
+    except ValueError as e:
+        parser.error(str(e))
+    meta = read_meta(out)
+    sft = meta["sft"]
+    print(f"wrote {out}: {meta['tokens']:,} tokens of {sft['conversations']:,} conversations written by "
+          f"{sft['chat_template']} chat template, {sft['targets']:,} of them targets (the assistant turns), "
+          f"the last {sft['held_out']:,} conversations held out for evaluation; {sft['left_out']} without an "
+          "assistant turn left out", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="train.py prepare", description="Turn text files into a token file (or "
                                      "shards) with a held-out tail for evaluation: bytes, a Hugging Face tokenizer, "
                                      "or a BPE tokenizer trained here on the same texts.")
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")   # one line, status 2
-    parser.add_argument("--text", nargs="+", required=True, help="UTF-8 text files (read as they are tokenized)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", nargs="+", help="UTF-8 text files (read as they are tokenized)")
+    source.add_argument("--sft", nargs="+", metavar="CHAT.jsonl", help='conversations, {"messages": [...]} a line: '
+                        "--tokenizer's chat template writes them; the assistant turns are the targets")
     parser.add_argument("--out", required=True, help="the token file to write (and OUT.json beside it)")
     parser.add_argument("--eval-fraction", type=float, default=0.05, help="the tail held out for evaluation")
     which = parser.add_mutually_exclusive_group()
@@ -714,6 +985,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 < args.eval_fraction < 1:
         parser.error(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
+    if args.sft:
+        return prepare_sft_command(parser, args)
     missing = [t for t in args.text if not Path(t).is_file()]
     missing += [args.tokenizer] if args.tokenizer and not Path(args.tokenizer).exists() else []
     if missing:
