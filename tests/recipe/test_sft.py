@@ -1,6 +1,6 @@
 """Supervised fine-tuning in the recipe. The model (scripts/train/model.py, notebook 03): conversations packed into
-one row (`positions`, a block-causal mask) give each conversation's own loss and gradients, in one process and under
-tensor parallel. The data (scripts/train/data.py, notebook 06), with the folders users download
+one row (`positions`, a block-causal mask) give each conversation's own loss and gradients, in one process, under
+tensor parallel and under FSDP2. The data (scripts/train/data.py, notebook 06), with the folders users download
 (tests/recipe/user_folders.py): a conversation rendered by the tokenizer's chat template as transformers'
 `apply_chat_template` renders it (the same ids); its targets exactly the assistant turns and their end-of-turn token,
 with Llama 3's template and with the default one; `train.py prepare --sft`; windows of whole conversations, packed,
@@ -94,9 +94,9 @@ def test_a_mask_that_restarts_is_block_causal_and_the_cache_path_is_unchanged():
         assert torch.allclose(whole, model(tokens), atol=1e-6)
 
 
-def _tensor_parallel_packed(lengths):
-    """The packed row through the model under tensor parallel (2 ranks, sequence parallel, loss_parallel) against
-    one process: loss and the gradients (full tensors)."""
+def _parallel_packed(layout, lengths):
+    """The packed row through the model on 2 ranks, tensor parallel (sequence parallel, loss_parallel) or FSDP2
+    (each rank the same row), against one process: loss and the gradients (full tensors)."""
     import sys
 
     import torch
@@ -106,6 +106,7 @@ def _tensor_parallel_packed(lengths):
 
     sys.path.insert(0, str(SCRIPTS / "train"))
     from model import cross_entropy
+    from parallelize import apply_fsdp
     from tp import apply_tp
 
     dist.init_process_group("gloo")
@@ -113,18 +114,24 @@ def _tensor_parallel_packed(lengths):
         tokens, targets, positions, _ = packed_row(lengths)
         reference, model = _model(), _model()
         ref_loss, ref_grads = _loss_and_grads(reference, cross_entropy(reference(tokens, positions=positions), targets))
-        apply_tp(model, init_device_mesh("cpu", (dist.get_world_size(),)), loss_parallel=True)
-        with loss_parallel():
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        if layout == "tp":
+            apply_tp(model, mesh, loss_parallel=True)
+        else:
+            apply_fsdp(model, mesh)
+        with loss_parallel() if layout == "tp" else torch.enable_grad():
             loss = cross_entropy(model(tokens, positions=positions), targets)
             loss.backward()
+        full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         gaps = {n: (p.grad.full_tensor() - ref_grads[n]).abs().max().item() for n, p in model.named_parameters()}
-        return {"loss_gap": abs(loss.full_tensor().item() - ref_loss), "grad_gap": max(gaps.values())}
+        return {"loss_gap": abs(full.item() - ref_loss), "grad_gap": max(gaps.values())}
     finally:
         dist.destroy_process_group()
 
 
-def test_under_tensor_parallel_the_packed_row_is_one_process():
-    for r in launch(_tensor_parallel_packed, LENGTHS, world_size=2, timeout=180):
+@pytest.mark.parametrize("layout", ["tp", "fsdp"])
+def test_under_tensor_parallel_and_fsdp2_the_packed_row_is_one_process(layout):
+    for r in launch(_parallel_packed, layout, LENGTHS, world_size=2, timeout=180):
         assert r["loss_gap"] < 1e-5 and r["grad_gap"] < 1e-5, r
 
 
