@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 SCRIPTS = ROOT / "scripts"
 APPENDIX = "11_common_advice_measured"
-TARGETS = {"md_words": 1500, "longest_cell": 60}
+TARGETS = {"md_words": 1500, "longest_cell": 60, "sentence_words": 40}
 
 LAUNCHERS = {"launch", "run"}                 # helpers.launch(fn, ...), Workers(...).run(fn, ...), pool.run(fn)
 FUNCTION_KEYWORDS = ("fn", "function", "body", "target", "worker")
@@ -475,6 +475,49 @@ def forbidden_in_project(root: Path = ROOT) -> dict[str, list[str]]:
     return out
 
 
+# ------------------------------------------------------------------------------------------ sentences
+
+_FENCE = re.compile(r"```.*?```", re.DOTALL)
+_LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")           # [text](target): the reader reads the text
+# A sentence ends at . ! or ? before a space and a letter, a backquote, a bracket, a quote or emphasis (not a digit:
+# "et al. 2019"); "e.g.", "i.e.", "al.", "vs." and "cf." do not end one.
+_END = re.compile(r"(?<=[.!?])(?<!e\.g\.)(?<!i\.e\.)(?<!\bal\.)(?<!vs\.)(?<!cf\.)\s+(?=[A-Za-z`(\"*])")
+
+
+def sentences(markdown: str) -> list[str]:
+    """The sentences a reader meets in a markdown cell: fenced code left out, a link read as its text, a line that
+    opens a heading, an item or a table row taken alone, the rest joined across line breaks and cut at each end of
+    a sentence."""
+    text = _LINK.sub(r"\1", _FENCE.sub(" ", markdown))
+    blocks, current = [], []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):                   # a heading: alone
+            blocks += [" ".join(current), stripped]
+            current = []
+        elif not stripped or re.match(r"([-*+]\s|\d+\.\s|\|)", stripped):
+            blocks.append(" ".join(current))
+            current = [stripped] if stripped else []
+        else:
+            current.append(stripped)
+    blocks.append(" ".join(current))
+    return [s.strip() for block in blocks for s in _END.split(block) if s.strip()]
+
+
+def long_sentences(notebook: dict, limit: int = TARGETS["sentence_words"]) -> list[str]:
+    """The markdown sentences of `notebook` over `limit` words (a learner reads a sentence once: past about 40
+    words the start is gone by its end), each as '<words> words: <its first words> ...'."""
+    found = []
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        for sentence in sentences("".join(cell["source"])):
+            words = sentence.split()
+            if len(words) > limit and not sentence.startswith("|"):
+                found.append(f"{len(words)} words: {' '.join(words[:12])} ...")
+    return found
+
+
 # ------------------------------------------------------------------------------------------ figures
 
 def notebook_stats(path: Path) -> dict:
@@ -495,12 +538,13 @@ def notebook_stats(path: Path) -> dict:
                                       if launch.origin != "helpers"}),
             "unnamed_plumbing": unnamed_plumbing(notebook), "unfailable_asserts": unfailable_asserts(cells),
             "plain_share": round(1 - len(helper_lines) / max(1, len(lines)), 3), "code_lines": len(lines),
-            "md_words": len(markdown.split()),
+            "md_words": len(markdown.split()), "long_sentences": long_sentences(notebook),
             "longest_cell": max((len([line for line in c.splitlines() if line.strip()]) for c in cells), default=0)}
 
 
 def missed_targets(row: dict) -> list[str]:
-    """What a core notebook misses of the targets (the appendix has none)."""
+    """What a core notebook misses of the targets (the appendix has none; the planner, 10, keeps to short
+    sentences too)."""
     if not row["core"]:
         return []
     missed = []
@@ -512,6 +556,8 @@ def missed_targets(row: dict) -> list[str]:
         missed.append(f"{len(row['unfailable_asserts'])} assert(s) that cannot fail")
     if row["md_words"] > TARGETS["md_words"]:
         missed.append(f"{row['md_words']} words of markdown (target {TARGETS['md_words']})")
+    if row.get("long_sentences"):
+        missed.append(f"{len(row['long_sentences'])} sentence(s) over {TARGETS['sentence_words']} words")
     if row["longest_cell"] > TARGETS["longest_cell"]:
         missed.append(f"a {row['longest_cell']}-line cell (target {TARGETS['longest_cell']})")
     return missed

@@ -218,3 +218,23 @@ def test_the_project_scan_reads_notebook_cells_and_files(tmp_path):
     found = forbidden_in_project(tmp_path)
     assert set(found) == {"notebooks/99_planted.ipynb", "docs/page.md"}
     assert "README.md" in CHECKED_TEXT and ROOT.is_dir()
+
+
+def test_a_long_sentence_is_found_and_short_ones_pass():
+    """A 41-word sentence is caught wherever it sits in a cell; headings, list items, fenced code, a link's target
+    and sentences cut at lower-case starts ("bf16 keeps ...") are not read as part of it."""
+    from tools.teaching_stats import long_sentences
+
+    def markdown(*sources: str) -> dict:
+        return {"cells": [{"cell_type": "markdown", "id": f"m{i}", "metadata": {}, "source": s}
+                          for i, s in enumerate(sources)]}
+
+    forty_one = " ".join(["word"] * 40) + " end."
+    assert long_sentences(markdown("A short start. " + forty_one + " A short end.")) == \
+        [f"41 words: {' '.join(['word'] * 12)} ..."]
+    twenty = " ".join(["word"] * 19) + " end."
+    short = [f"## A heading of words\n{twenty}", f"- an item. {twenty}\n- another item {twenty}",
+             f"{twenty} bf16 {twenty}", f"{twenty}\n```\n{forty_one}\n```\n{twenty}",
+             f"[{twenty}]({'/x' * 40}) e.g. a few more words."]
+    assert long_sentences(markdown(*short)) == []
+    assert long_sentences(markdown(f"{twenty[:-1]}, e.g. {twenty}")) != [], "e.g. does not end a sentence"
