@@ -159,9 +159,8 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight          # one tensor, two uses
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for name, table in zip(("rope_cos", "rope_sin"), rope_tables(cfg)):
+            self.register_buffer(name, table, persistent=False)
 
     def forward(self, tokens: torch.Tensor, cache=None, positions: torch.Tensor | None = None) -> torch.Tensor:
         start = 0 if cache is None else cache.length
