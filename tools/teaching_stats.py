@@ -479,9 +479,10 @@ def forbidden_in_project(root: Path = ROOT) -> dict[str, list[str]]:
 
 _FENCE = re.compile(r"```.*?```", re.DOTALL)
 _LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")           # [text](target): the reader reads the text
-# A sentence ends at . ! or ? before a space and a letter, a backquote, a bracket, a quote or emphasis (not a digit:
-# "et al. 2019"); "e.g.", "i.e.", "al.", "vs." and "cf." do not end one.
-_END = re.compile(r"(?<=[.!?])(?<!e\.g\.)(?<!i\.e\.)(?<!\bal\.)(?<!vs\.)(?<!cf\.)\s+(?=[A-Za-z`(\"*])")
+# A sentence ends at . ! or ? (a closing bracket, quote or emphasis may follow) before a space and a letter, a digit,
+# a backquote, a bracket, a quote or emphasis; "e.g.", "i.e.", "al." ("et al. 2019"), "vs." and "cf." do not end one.
+_END = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<!\bal\.)(?<!vs\.)(?<!cf\.)"
+                  r"(?:(?<=[.!?])|(?<=[.!?][)\"])|(?<=[.!?]\*\*))\s+(?=[A-Za-z0-9`(\"*])")
 
 
 def sentences(markdown: str) -> list[str]:

@@ -238,3 +238,5 @@ def test_a_long_sentence_is_found_and_short_ones_pass():
              f"[{twenty}]({'/x' * 40}) e.g. a few more words."]
     assert long_sentences(markdown(*short)) == []
     assert long_sentences(markdown(f"{twenty[:-1]}, e.g. {twenty}")) != [], "e.g. does not end a sentence"
+    assert long_sentences(markdown(f"({twenty}) {twenty} **{twenty}** {twenty}")) == [], "ends inside ) and **"
+    assert long_sentences(markdown(f"{twenty} 1F1B {twenty}")) == [], "a sentence may open with a digit"
