@@ -2,14 +2,19 @@
 
 Why a module: notebook 10 shows the table and tests/planner/test_plan.py holds the same rows to the same goal, so the rows
 (copied from pytorch/torchtitan at the commits named below, with every setting a row states) and the mapping of a
-row's settings onto the planner live once. Nothing here is fitted: a row becomes a model config, a layout, a
-Training and a GPU, and the planner (scripts/train/plan.py, passed in as `P`) does the rest.
+row's settings onto the planner live once. A row becomes a model config, a layout, a Training and a GPU, and the
+planner (scripts/train/plan.py, passed in as `P`) does the rest. One number is fitted, and it is the planner's own:
+the H100s at 500 W have no datasheet rate, so plan.py solves their compute rate from one of these rows
+(`P.GPUS[H100].calibration`); that row's tokens/s is the calibration, not a prediction (`counted`).
 
 What a row states, and where a setting comes from when the table does not say it: the sequence length, the
 compile flag and the norm of the run are those of the training configs (`train_configs/*.toml`) at the commit the
 file names (docs/performance.md: its own commit; the benchmark: torchtitan 9dec370, its "Versions and Dates").
 torchtitan's "selective op" checkpointing is its per-op policy (`TORCHTITAN_SELECTIVE`), "selective layer" every
-other block (the recipe's "alternate"). A row with float8 or context parallelism is listed and not predicted.
+other block (the recipe's "alternate"). Float8 is tensorwise (the only scaling at torchao eab345c), with FSDP2's
+float8 all-gather (the 405B config turns it on); context parallel is torch's, on all-gathered keys and values
+(torchtitan's default rotate method); a pipeline has as many micro-batches as stages (torchtitan's default), two
+stages per rank when interleaved.
 """
 from __future__ import annotations
 
@@ -28,8 +33,9 @@ LLAMA2 = {"llama2-13b": dict(vocab_size=32000, dim=5120, n_layers=40, n_heads=40
 
 
 def _row(source, table, label, model, gpus, gpu, fsdp, tp, batch, seq, ac, tokens, memory=None, compile=False,
-         pp=1, cp=1, float8=False, async_tp=False, mfu=None):
+         pp=1, cp=1, float8=False, async_tp=False, mfu=None, schedule="1f1b"):
     return dict(source=source, table=table, label=label, model=model, gpus=gpus, gpu=gpu, fsdp=fsdp, tp=tp, pp=pp,
+                schedule=schedule,
                 cp=cp, batch=batch, seq_len=seq, ac=ac, compile=compile, float8=float8, async_tp=async_tp,
                 tokens_per_s=tokens, memory_gib=memory, mfu=mfu)
 
@@ -77,7 +83,7 @@ ROWS = [
     _row(BENCH, "Table 5", "405B, 3D, 1F1B", "llama3-405b", 512, H100, 8, 8, 32, 8192, "full", 100, 82.5,
          compile=True, float8=True, async_tp=True, pp=8),
     _row(BENCH, "Table 5", "405B, 3D, Interleaved 1F1B", "llama3-405b", 512, H100, 8, 8, 32, 8192, "full", 128, 72.7,
-         compile=True, float8=True, async_tp=True, pp=8),
+         compile=True, float8=True, async_tp=True, pp=8, schedule="interleaved"),
     *[_row(BENCH, "Table 6", f"405B, FSDP {8 // cp}, CP {cp}", "llama3-405b", 512, H100, 8 // cp, 8, 8, seq, "full",
            tps, mem, compile=True, float8=True, async_tp=True, pp=8, cp=cp)
       for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
@@ -88,30 +94,24 @@ OOM_ROW = _row(DOCS, "Llama 2, footnote 3", "70B, selective op, batch 2: out of 
                1, 2, 4096, "op", None)
 
 
-def not_predicted(row: dict) -> str | None:
-    """Why a row is not predicted (None: it is): what the planner and the recipe do not have. Context parallelism
-    they have (--cp); the published rows that use it all train in float8 too."""
-    missing = [what for what, present in (("float8", row["float8"]), ("async TP", row["async_tp"])) if present]
-    return ", ".join(missing) + " not planned" if missing else None
-
-
 def planner_inputs(P, row: dict):
     """(config, Training, Layout, GPU name) of a row: the recipe at the row's settings."""
     name, seq = row["model"], row["seq_len"]
     cfg = P.LlamaArgs(**LLAMA2[name], max_seq_len=seq) if name in LLAMA2 else P.preset(name, max_seq_len=seq)
     ac = {"op": P.TORCHTITAN_SELECTIVE, "layer": "alternate"}.get(row["ac"], row["ac"])
-    layout = P.Layout(dp_shard=row["fsdp"], tp=row["tp"], pp=row["pp"])
-    train = P.Training(seq_len=seq, batch_size=row["batch"], grad_accum=max(1, row["pp"]), precision="bf16-fsdp",
-                       checkpointing=ac, compile=row["compile"])
+    layout = P.Layout(dp_shard=row["fsdp"] * row["cp"], tp=row["tp"], pp=row["pp"])
+    micro = row["pp"] if row["pp"] > 1 else 1         # torchtitan's default: as many micro-batches as stages
+    train = P.Training(seq_len=seq, batch_size=row["batch"] // micro, grad_accum=micro, precision="bf16-fsdp",
+                       checkpointing=ac, compile=row["compile"], float8="tensorwise" if row["float8"] else None,
+                       async_tp=row["async_tp"], cp=row["cp"], cp_attention="allgather" if row["cp"] > 1 else "ring",
+                       pp_schedule=row.get("schedule", "1f1b"))
     return cfg, train, layout, row["gpu"]
 
 
 def predict(P, row: dict) -> dict:
-    """The planner's figures for a row, and their ratios to the published ones: {'tokens_per_s', 'memory_gib',
-    'reserved_gib', 'allocated_gib', 'phase', 'tokens_ratio', 'memory_ratio'} (None where not predicted)."""
-    why = not_predicted(row)
-    if why:
-        return {"skipped": why}
+    """The planner's figures for a row, and their ratios to the published ones: {'tokens_per_s', 'mfu',
+    'reserved_gib', 'allocated_gib', 'phase', 'fits', 'tokens_ratio', 'memory_ratio'} (a ratio only where the row
+    publishes the figure). Every rank's first stage rank is planned; the publication takes the largest memory."""
     cfg, train, layout, gpu = planner_inputs(P, row)
     p = P.plan(cfg, train, layout, P.gpu_rates(P.GPUS[gpu]), ranks=[s * layout.world // layout.pp
                                                                     for s in range(layout.pp)], gpu=gpu)
@@ -125,27 +125,48 @@ def predict(P, row: dict) -> dict:
     return out
 
 
-# A time needs the GPU's achieved FLOP/s; the planner makes it from the datasheet of a GPU at its rated power.
-# Where a row's GPUs ran otherwise, its tokens/s is predicted and shown, and not counted toward the goal.
-RATE_UNKNOWN = {H100: "the GPUs ran at 500 W, not the 700 W of the SXM datasheet the planner's rate is made "
-                      "from; the publication calls their peak unknown (between the SXM's and the NVL's)"}
+# The rows whose figure misses the goal, with the reason found (notebook 10 lists them; a test holds the list to the
+# planner: a row that comes within the goal, or one that leaves it, must change this list). Reasons cite published
+# figures only.
+MISSES = {
+    ("Table 5", "405B, 3D, 1F1B", "memory"):
+        "Table 6's CP 1 row runs the same layout, schedule and micro-batch (8 micro-batches of 32,768 tokens, full "
+        "checkpointing, float8) and publishes 75.3 GiB against this row's 82.5: the bytes autograd and FSDP2 hold "
+        "are alike in both, so no term of the planner can tell them apart",
+    ("Table 2", "8B, FSDP 1, CP 8", "tokens"):
+        "from CP 2 to CP 4 the published tokens/s falls from 2,540 to 1,071, below half, where doubling the sequence "
+        "at most doubles a token's work (its attention; its matmuls stay): the runs lose throughput that no work "
+        "explains, and every CP row calls attention on the same 16,384-token chunks, so no term of the planner "
+        "changes with cp; CP 4 carries the same loss inside the goal",
+}
 
 
-def counted(row: dict, kind: str) -> bool:
-    """Whether a predicted row's `kind` ("memory", "tokens") counts toward the goal."""
-    if not_predicted(row) or not row["memory_gib" if kind == "memory" else "tokens_per_s"]:
+def calibrates(P, row: dict) -> bool:
+    """Whether the row is the run plan.py solves its GPU's compute rate from (the H100s at 500 W): its settings and
+    tokens/s are that run's."""
+    run = P.GPUS[row["gpu"]].calibration
+    return run is not None and run.tokens_per_s == row["tokens_per_s"] and \
+        (run.cfg, run.train, run.layout) == planner_inputs(P, row)[:3]
+
+
+def counted(P, row: dict, kind: str) -> bool:
+    """Whether a row's `kind` ("memory", "tokens") counts toward the goal: every figure the row publishes, but the
+    tokens/s of the row a GPU's rate is solved from."""
+    if not row["memory_gib" if kind == "memory" else "tokens_per_s"]:
         return False
-    return kind == "memory" or row["gpu"] not in RATE_UNKNOWN
+    return kind == "memory" or not calibrates(P, row)
 
 
-def summary(rows: list[dict], predictions: list[dict]) -> dict:
-    """Per kind, over the rows that count and over every predicted row: how many, the median ratio, the worst
-    (farthest from 1), and how many are within the goal."""
+def summary(P, rows: list[dict], predictions: list[dict]) -> dict:
+    """Per kind, over the rows that count: how many, the median ratio, the worst (farthest from 1), how many are
+    within the goal, and the rows that miss it (their labels)."""
     out = {}
     for kind in ("memory", "tokens"):
-        for which, keep in (("counted", lambda r: counted(r, kind)), ("predicted", lambda r: True)):
-            ratios = [p[f"{kind}_ratio"] for r, p in zip(rows, predictions) if f"{kind}_ratio" in p and keep(r)]
-            out[(kind, which)] = {"rows": len(ratios), "median": statistics.median(ratios) if ratios else None,
-                                  "worst": max(ratios, key=lambda x: abs(x - 1)) if ratios else None,
-                                  "within_goal": sum(abs(x - 1) <= GOAL[kind] for x in ratios)}
+        pairs = [(r, p[f"{kind}_ratio"]) for r, p in zip(rows, predictions) if counted(P, r, kind)]
+        # the rows that miss, by (table, label, kind): MISSES says why
+        ratios = [x for _, x in pairs]
+        out[kind] = {"rows": len(ratios), "median": statistics.median(ratios),
+                     "worst": max(ratios, key=lambda x: abs(x - 1)),
+                     "within_goal": sum(abs(x - 1) <= GOAL[kind] for x in ratios),
+                     "missed": [(r["table"], r["label"], kind) for r, x in pairs if abs(x - 1) > GOAL[kind]]}
     return out

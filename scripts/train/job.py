@@ -100,7 +100,7 @@ MODEL_AND_LAYOUT = (
          "out of --dp-shard", "layout", BOTH, least=1),
     Flag("pp_schedule", str, "1f1b", "1f1b, gpipe: one stage per rank; interleaved: two per rank, a smaller bubble; "
          "interleaved-zb: two per rank, the weight gradients filling the bubble (zero bubble); zbv: refused, it "
-         "cannot evaluate (notebook 08b)", "layout"),
+         "cannot evaluate (notebook 08b)", "layout", BOTH),
     Flag("moe_experts", int, 0, "each block's feed-forward becomes this many SwiGLU experts of its size, top-k "
          "routed per token, dropless (0: the dense Llama)", "experts", BOTH, least=0),
     Flag("moe_top_k", int, 2, "experts per token", "experts", BOTH, least=1),
@@ -130,9 +130,7 @@ TRAINING = (
          plan={"help": "torch.compile each block, as the recipe does on GPUs (default, but not with --cp or "
                        "--moe-experts, which the recipe runs eager)"}),
     Flag("float8", str, None, "each block's linear layers in float8 with torchao (float8.py): tensorwise, gathered "
-         "in float8 by FSDP2, or rowwise, a scale per row; emulated on CPUs", commands=BOTH, choices=RECIPES,
-         plan={"action": "store_true", "type": None, "choices": None, "default": False,   # refused: not planned
-               "help": argparse.SUPPRESS}),
+         "in float8 by FSDP2, or rowwise, a scale per row; emulated on CPUs", commands=BOTH, choices=RECIPES),
     Flag("ac", str, "none", "activation checkpointing per block", commands=BOTH, choices=CHECKPOINTING,
          plan={"nargs": "+", "default": list(CHECKPOINTING), "help": "checkpointing modes to try (default: all)"}),
     Flag("seed", int, 0),
@@ -169,6 +167,10 @@ QUESTION = (          # plan.py's own
     Flag("matmul_tflops", float, None, "your GPU's large bf16 matmul rate (notebook 05 measures it; default: the "
          "datasheet x the H200's measured share)", "question", PLAN),
     Flag("top", int, 8, "layouts to print", "question", PLAN, least=1),
+    Flag("async_tp", bool, False, "TP's all-gathers and reduce-scatters overlapped with the matmuls they feed "
+         "(torchtitan's async TP; the recipe does not build it)", "question", PLAN),
+    Flag("calibrate", str, None, "a short run's --metrics file (train.py): plan from its achieved compute rate and "
+         "memory", "question", PLAN, metavar="LOG"),
 )
 FLAGS = MODEL_AND_LAYOUT + TRAINING + QUESTION               # the table: add a flag as a row of its group
 SHAPE_FLAGS = tuple(f.name for f in FLAGS if f.shape)          # the model's fields a flag sets

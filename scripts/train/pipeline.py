@@ -137,13 +137,16 @@ def depends_on(action: tuple, last_stage: int) -> list[tuple]:
     return [(stage + 1, "B", mb), (stage + 1, "I", mb)]
 
 
-def replay(orders: dict, forward_cost: float = 1.0, backward_cost: float = 1.0) -> dict:
+def replay(orders: dict, forward_cost: float = 1.0, backward_cost: float = 1.0,
+           weight_cost: float | None = None) -> dict:
     """Run each rank's actions in the order it executed them ({rank: [(stage, kind, mb)]}) on one clock: an action
     starts when its rank is free and what it depends on has finished. F costs `forward_cost`, B `backward_cost`,
-    I and W half of B each. Returns the step's length ('makespan') and the share of rank-slots idle
-    ('idle_fraction'); ValueError for an order that cannot run (no rank can take its next action)."""
+    W `weight_cost` (default half of B) and I the rest of B. Returns the step's length ('makespan'), the share of
+    rank-slots idle ('idle_fraction') and each rank's working time ('busy': the planner's bubble per rank);
+    ValueError for an order that cannot run (no rank can take its next action)."""
     last_stage = max(stage for actions in orders.values() for stage, _, _ in actions)
-    cost = {"F": forward_cost, "B": backward_cost, "I": backward_cost / 2, "W": backward_cost / 2}
+    weight = backward_cost / 2 if weight_cost is None else weight_cost
+    cost = {"F": forward_cost, "B": backward_cost, "I": backward_cost - weight, "W": weight}
     done, clock = {}, {rank: 0.0 for rank in orders}
     position, busy = {rank: 0 for rank in orders}, {rank: 0.0 for rank in orders}
     while any(position[r] < len(actions) for r, actions in orders.items()):
@@ -163,4 +166,5 @@ def replay(orders: dict, forward_cost: float = 1.0, backward_cost: float = 1.0) 
             stuck = {r: a[position[r]] for r, a in orders.items() if position[r] < len(a)}
             raise ValueError(f"no rank can proceed; next actions: {stuck}")
     makespan = max(clock.values())
-    return {"makespan": makespan, "idle_fraction": sum(makespan - b for b in busy.values()) / (len(orders) * makespan)}
+    return {"makespan": makespan, "idle_fraction": sum(makespan - b for b in busy.values()) / (len(orders) * makespan),
+            "busy": busy}

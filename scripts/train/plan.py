@@ -7,7 +7,8 @@ by the caching allocator), bytes on the wire per step, a step time, tokens/s and
 the training recipe that runs it.
 
     python plan.py --model llama3-8b --gpus 64 --gpu H100-80GB --seq-len 8192 --batch 64
-    python plan.py --model llama3-70b --gpus 256 --gpu H100-80GB --seq-len 8192 --ac full
+    python plan.py --model llama3-70b --gpus 256 --gpu H100-80GB --seq-len 8192 --ac full --float8 tensorwise
+    python plan.py --model llama3-8b --gpus 64 --calibrate run.jsonl    # a short run's --metrics file
 
 Why a planner next to the recipe: "which layout for my model on my GPUs?" is answered by arithmetic that is easy to
 get almost right (ZeRO's 16 bytes per parameter, the Korthikanti et al. activation formula) and whose last 10 % is
@@ -19,14 +20,16 @@ a run on the reader's machine holds and sends, and against published runs (noteb
 
 The sections, in the order a plan is made (each opens with a line `# --- N. name`); context parallelism (--cp) and
 experts (--moe-experts, --ep) sit in the sections they extend:
-1. the GPUs and their rates: `GPUS`, `gpu_rates`;
+1. the GPUs and their rates: `GPUS`, `gpu_rates` (a datasheet, a reader's matmul, or solved from a measured run);
 2. model state: `parameter_shapes`, `model_state` (FSDP2's padding, experts held whole under ep);
-3. activations: `layer_activations` (the ring's and the experts' terms), `selective_block`, `activations`;
+3. activations: `layer_activations` (the ring's and the experts' terms), `selective_block`, the pipeline's
+   `schedule_order` and what it holds (`in_flight`), `activations`;
 4. the memory a GPU reports: `memory` (allocated by phase, reserved), `allocator_overhead`;
 5. communication: `communication` (FSDP2, DDP, tensor parallel, the cp ring, the experts' all-to-alls);
-6. time: `step_time` (matmuls by shape, attention or the ring, experts, elementwise traffic, collectives);
+6. time: `step_time` (matmuls by shape, float8, attention or the ring, experts, elementwise traffic, collectives,
+   async TP, the bubble replayed), `calibrate` (the compute rate a measured run implies);
 7. the plan and the search: `plan`, `check_layout`, `fitting_layouts`;
-8. the command line: `torchrun_command`, `describe`, `main`.
+8. the command line: `torchrun_command`, `describe`, `read_run_log` and `calibrated_rates` (--calibrate), `main`.
 
 What the recipe takes and refuses, and what a model counts, is its job spec's (job.py: the flags, the rules, the
 parameter and FLOP counts), imported here, so a plan is checked by the rules train.py runs and printed with its flags.
@@ -41,7 +44,8 @@ Conventions:
 - a step is `grad_accum` micro-batches of `batch_size` sequences of `seq_len` tokens on every data-parallel rank,
   run as the recipe (train.py, parallelize.py) runs it: FSDP2 reshards after forward and reduces every
   micro-batch, DDP reduces once per step, tensor parallelism is sequence-parallel with a parallel loss, a
-  pipeline runs 1F1B with its stage's FSDP2 parameters gathered through the step; `Training` also carries the
+  pipeline runs its schedule (1F1B, GPipe, interleaved, zero bubble: one or two stages per rank) with its FSDP2
+  parameters gathered through the step; `Training` also carries float8, async TP and the
   recipe's --cp (cp of the dp_shard ranks split each sequence and read one batch) and --moe-experts, --moe-top-k,
   --ep (every feed-forward a mixture of experts, the experts sharded over ep of the dp_shard ranks);
 - what a run measured shaped the terms: notebook 10 holds each against the recipe on CPU ranks (and a GPU's
@@ -51,21 +55,30 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from config import MESH_DIMS, LlamaArgs, Layout, config_from_hf, stage_layers
 from config import PRESETS, preset  # noqa: F401 (not used here: a notebook's P.preset(...), P.PRESETS)
+from float8 import BLOCK_LINEARS, RECIPES, float8_datasheet_peak, float8_flop_share, float8_linear_names
 from job import (CHECKPOINTING, Job, ParallelDims, active_parameter_count, argv, at_least, flops_per_token,
                  model_flags, model_shape, parameter_count, parser)
 
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16-fsdp")
 OPTIMIZERS = {"adamw": 2, "sgd": 1}   # fp32 state tensors per parameter: Adam's two moments; SGD's momentum buffer
+# Each schedule's stages per rank (pipeline.py's SCHEDULE_STAGES, which imports torch: a test holds the two equal).
+# zbv is left out: the recipe refuses it (it cannot evaluate).
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "interleaved-zb": 2}
+# Context parallel attention: the recipe's cp.py ring (eager block matmuls), or torch's context_parallel as torchtitan
+# runs it (each rank all-gathers the keys and values and runs fused attention on its queries)
+CP_ATTENTION = ("ring", "allgather")
 # torchtitan's per-op policy: like the recipe's "selective" (keep matmul and attention outputs, recompute the rest),
 # but every second matmul of a block is recomputed too, and a reduce-scatter's output is kept
 TORCHTITAN_SELECTIVE = "selective-torchtitan"
@@ -76,9 +89,11 @@ GB, GIB = 1e9, 2 ** 30
 class Training:
     """What one optimizer step does on every data-parallel rank, and how. `compile`: each block torch.compile'd
     (the recipe's default on GPUs); `fused_rms_norm`: CUDA's rms_norm is one kernel, torch 2.13's CPU path composes
-    it (see `layer_activations`). The recipe's --cp, --moe-experts, --moe-top-k and --ep are here, not in the
-    Layout: cp's and ep's ranks are some of dp_shard's (job.ParallelDims), and Layout keeps the mesh's four
-    dimensions (config.py). What the recipe refuses of them is job.py's rules (`check_layout`)."""
+    it (see `layer_activations`). The recipe's --cp, --moe-experts, --moe-top-k, --ep and --pp-schedule are here,
+    not in the Layout: cp's and ep's ranks are some of dp_shard's (job.ParallelDims), and Layout keeps the mesh's
+    four dimensions (config.py). What the recipe refuses of them is job.py's rules (`check_layout`). float8, async
+    TP and torch's all-gather context parallel are planned too, where the recipe does not build them
+    (`not_in_recipe`): torchtitan's published runs use them."""
 
     seq_len: int = 1024
     batch_size: int = 8          # sequences per micro-batch per data-parallel rank
@@ -92,9 +107,19 @@ class Training:
     moe_experts: int = 0         # every feed-forward an MoE of this many SwiGLU experts (0: dense)
     moe_top_k: int = 2           # experts per token
     ep: int = 1                  # the experts sharded over ep consecutive dp_shard ranks
+    pp_schedule: str = "1f1b"    # the pipeline's schedule (SCHEDULES), the micro-batches are grad_accum
+    stages_per_rank: int = 0     # 0: the schedule's own (SCHEDULES)
+    float8: str | None = None    # the blocks' linear layers in float8 (torchao): "tensorwise" or "rowwise"
+    async_tp: bool = False       # TP's collectives overlapped with the matmuls they feed (not built by the recipe)
+    cp_attention: str = "ring"   # CP_ATTENTION
 
     def __post_init__(self):
         at_least({"cp": self.cp, "ep": self.ep, "moe_experts": self.moe_experts, "moe_top_k": self.moe_top_k})
+        for name, value, allowed in (("pp_schedule", self.pp_schedule, tuple(SCHEDULES)),
+                                     ("float8", self.float8, RECIPES + (None,)),
+                                     ("cp_attention", self.cp_attention, CP_ATTENTION)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, not {value!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, not {self.optimizer!r}")
         if self.precision not in PRECISIONS:
@@ -102,6 +127,11 @@ class Training:
         if self.checkpointing not in CHECKPOINTING + (TORCHTITAN_SELECTIVE,):
             raise ValueError(f"checkpointing must be one of {CHECKPOINTING + (TORCHTITAN_SELECTIVE,)}, not "
                              f"{self.checkpointing!r}")
+
+    @property
+    def chunks(self) -> int:
+        """Pipeline stages per rank: the schedule's, or `stages_per_rank` where given."""
+        return self.stages_per_rank or SCHEDULES[self.pp_schedule]
 
 
 # ------------------------------------------------------------------------------------------ 1. the GPUs and their rates
@@ -120,7 +150,32 @@ class GPU:
     attention_efficiency: float   # fused attention's share of the datasheet FLOP/s (see ATTENTION_SOURCES)
     gpus_per_node: int = 8
     source: str = ""
+    calibration: MeasuredRun | None = None   # a run on this GPU its compute rates are solved from (`calibrate`)
 
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A run's settings and what it measured: tokens/s per GPU and, where known, the allocator's peak (GiB). A short
+    run of the recipe on the reader's GPUs (`read_run_log`, --calibrate) or a published one."""
+
+    cfg: LlamaArgs
+    train: Training
+    layout: Layout
+    tokens_per_s: float
+    source: str
+    allocated_gib: float | None = None
+    reserved_gib: float | None = None
+
+
+# torchtitan's H100s ran at 500 W, below the 700 W of the SXM datasheet, and its benchmark calls their peak unknown
+# (between the SXM's and the NVL's). Their compute rates come from one of its published runs: the planner solves for
+# the share of the datasheet that predicts it (`calibrate`), and every other published row is held against that.
+H100_500W_RUN = MeasuredRun(
+    preset("llama3-8b", max_seq_len=8192),
+    Training(seq_len=8192, batch_size=2, precision="bf16-fsdp", checkpointing="selective-torchtitan", compile=True),
+    Layout(dp_shard=8), 6667, "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1, FSDP + "
+    "torch.compile: Llama 3.1 8B on 8 H100s at 500 W, local batch 2 x 8192, per-op selective checkpointing",
+    reserved_gib=77.0)
 
 GPUS = {
     "H100-80GB": GPU("NVIDIA H100 80GB HBM3", 79.18 * GIB, 3.35e12, 132, 450e9, 50e9, 0.35,
@@ -129,7 +184,7 @@ GPUS = {
     "H100-96GB-500W": GPU("NVIDIA H100 96GB HBM2e (500 W)", 95.0396 * GIB, 2.4e12, 132, 450e9, 50e9, 0.35,
                           source="torchtitan's Grand Teton hosts as benchmarks/llama3_h100_202412_torchtitan.md "
                                  "states them (96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s per GPU); 95.0396 GiB as "
-                                 "torchtitan PR #165 states it"),
+                                 "torchtitan PR #165 states it", calibration=H100_500W_RUN),
     "H200": GPU("NVIDIA H200", 139.81 * GIB, 4.8e12, 132, 450e9, 50e9, 0.35,
                 source="H200 SXM datasheet (4.8 TB/s, NVLink 900 GB/s), 400 Gb/s per GPU; 139.81 GiB as torchtitan "
                        "logs it"),
@@ -151,6 +206,17 @@ MEASURED_MATMUL = (701.1e12, "NVIDIA H200", "notebook 05 on one H200 (docs/measu
 MEMORY_EFFICIENCY = 2 * 2085e9 / 4.8e12
 BUS_EFFICIENCY = 0.8
 ATTENTION_SOURCES = "FlashAttention-2 on H100: 35 % (arXiv 2407.08608); on A100: 50-73 % (arXiv 2307.08691)"
+
+
+FLOAT8_DTYPE = "float8"    # hardware.py's column of dense float8 (e4m3) FLOP/s
+
+
+def hardware_peak(device: str, dtype: str) -> float:
+    """Dense FLOP/s of `device` in `dtype` from hardware.py's table, 0 where it has none (an A100 has no float8)."""
+    import hardware
+
+    found = hardware.datasheet_peak(device, dtype)
+    return found[0] if found else 0.0
 
 
 def datasheet_flops(device: str, dtype: str = "bf16") -> tuple[float, str]:
@@ -179,22 +245,38 @@ class Rates:
     gpus_per_node: int = 8
     sms: int = 0
     sources: tuple = ()
+    float8: float = 0.0          # a large float8 matmul's FLOP/s (0: the GPU has no float8 matmul)
+
+    def scaled(self, factor: float, why: str) -> Rates:
+        """These rates with every compute rate (matmul, float8, attention) times `factor`: a clock other than the
+        datasheet's (a power limit), or the reader's own measurement; `why` leads the sources."""
+        return dataclasses.replace(self, matmul=self.matmul * factor, float8=self.float8 * factor,
+                                   attention=self.attention * factor,
+                                   sources=(f"compute rates x {factor:.3f}: {why}",) + self.sources)
 
 
 def gpu_rates(gpu: GPU, dtype: str = "bf16", matmul: float | None = None) -> Rates:
-    """A GPU's rates: datasheet x the measured efficiencies above, or the reader's own large-matmul FLOP/s."""
+    """A GPU's rates: datasheet x the measured efficiencies above (float8 matmuls at the float8 datasheet peak x the
+    same share), solved from its `calibration` run where it has one, or scaled to the reader's own large-matmul
+    FLOP/s (`matmul`)."""
     peak, peak_source = datasheet_flops(gpu.device, dtype)
     ref_peak = datasheet_flops(MEASURED_MATMUL[1], "bf16")[0]
-    mm = matmul if matmul else peak * MEASURED_MATMUL[0] / ref_peak
-    mm_source = "the reader's measurement" if matmul else \
-        f"{MEASURED_MATMUL[0] / ref_peak:.1%} of the datasheet, as {MEASURED_MATMUL[2]} measured"
-    return Rates(mm, gpu.attention_efficiency * peak, MEMORY_EFFICIENCY * gpu.hbm, BUS_EFFICIENCY * gpu.nvlink,
-                 BUS_EFFICIENCY * gpu.network, 30e-6, gpu.gpus_per_node, gpu.sms,
-                 (f"matmul {mm / 1e12:.0f} TFLOP/s: {mm_source} ({peak_source})",
+    share = MEASURED_MATMUL[0] / ref_peak
+    float8 = hardware_peak(gpu.device, FLOAT8_DTYPE)
+    base = Rates(peak * share, gpu.attention_efficiency * peak, MEMORY_EFFICIENCY * gpu.hbm,
+                 BUS_EFFICIENCY * gpu.nvlink, BUS_EFFICIENCY * gpu.network, 30e-6, gpu.gpus_per_node, gpu.sms,
+                 (f"matmul {peak * share / 1e12:.0f} TFLOP/s: {share:.1%} of the datasheet, as {MEASURED_MATMUL[2]} "
+                  f"measured ({peak_source})" + (f"; float8 {float8 * share / 1e12:.0f} TFLOP/s, the same share of "
+                                                  f"{float8 / 1e12:.0f}" if float8 else ""),
                   f"attention {gpu.attention_efficiency:.0%} of the datasheet: {ATTENTION_SOURCES}",
                   f"memory {MEMORY_EFFICIENCY:.0%} of {gpu.hbm / 1e12:.2f} TB/s: notebook 01b's copy rate on an H200",
                   f"links {BUS_EFFICIENCY:.0%} of {gpu.nvlink / GB:.0f} GB/s in a node, {gpu.network / GB:.0f} GB/s "
-                  f"between nodes: {gpu.source}"))
+                  f"between nodes: {gpu.source}"), float8 * share)
+    if matmul:
+        return base.scaled(matmul / base.matmul, f"the reader's measured matmul, {matmul / 1e12:.0f} TFLOP/s")
+    if gpu.calibration is not None and dtype != "fp32":
+        return base.scaled(calibrate(gpu.calibration, base), f"solved from {gpu.calibration.source}")
+    return base
 
 
 # ------------------------------------------------------------------------------------------------------- 2. model state
@@ -261,24 +343,37 @@ def layout_name(layout: Layout) -> str:
     return f"dp_replicate={layout.dp_replicate} dp_shard={layout.dp_shard} tp={layout.tp} pp={layout.pp}"
 
 
-def stage_groups(cfg: LlamaArgs, layout: Layout, stage: int, experts: int = 0) -> list[tuple[str, list, int]]:
-    """Pipeline stage `stage`'s parameters as FSDP2 groups the recipe makes (`fully_shard` per block, the rest in
-    the root): (name, its parameters, how many alike), the blocks (config.stage_layers, torchtitan's uneven split)
-    as one template counted, then the root (the embedding on the first stage, the final norm and output on the
-    last)."""
-    blocks = stage_layers(cfg.n_layers, layout.pp, stage)
+def pipeline_rank_layers(cfg: LlamaArgs, layout: Layout, stage: int, chunks: int = 1) -> tuple[list[int], bool, bool]:
+    """(the blocks, whether it holds the embedding, whether the final norm and output) of pipeline rank `stage`:
+    one stage of pp, or with `chunks` stages per rank (an interleaved schedule) stages stage, stage + pp, ... of
+    pp x chunks, placed in a loop as pipeline.py's "loop" style places them (config.stage_layers splits the layers)."""
+    chunks = chunks if layout.pp > 1 else 1
+    n = layout.pp * chunks
+    stages = [stage + k * layout.pp for k in range(chunks)]
+    return [i for s in stages for i in stage_layers(cfg.n_layers, n, s)], 0 in stages, n - 1 in stages
+
+
+def stage_groups(cfg: LlamaArgs, layout: Layout, stage: int, experts: int = 0, chunks: int = 1
+                 ) -> list[tuple[str, list, int]]:
+    """Pipeline rank `stage`'s parameters as FSDP2 groups the recipe makes (`fully_shard` per block, the rest in
+    the root): (name, its parameters, how many alike), the blocks (`pipeline_rank_layers`: torchtitan's uneven
+    split, `chunks` stages per rank) as one template counted, then the root (the embedding with the first stage, the
+    final norm and output with the last)."""
+    blocks, first_stage, last_stage = pipeline_rank_layers(cfg, layout, stage, chunks)
     first, last = _ends(cfg)
-    root = (first if stage == 0 else []) + (last if stage == layout.pp - 1 else [])
+    root = (first if first_stage else []) + (last if last_stage else [])
     groups = [("layers", _block_shapes(cfg, blocks[0], experts), len(blocks))] if len(blocks) else []
     return groups + ([("root", root, 1)] if root else [])
 
 
-def stage_parameters(cfg: LlamaArgs, layout: Layout, stage: int) -> list[tuple[str, tuple[int, ...], int | None]]:
-    """The parameters of pipeline stage `stage`: the embedding on the first, its blocks, the final norm and output
-    on the last (dense: MoE is not pipelined)."""
+def stage_parameters(cfg: LlamaArgs, layout: Layout, stage: int, chunks: int = 1
+                     ) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """The parameters of pipeline rank `stage`: the embedding with the first stage, its blocks, the final norm and
+    output with the last (dense: MoE is not pipelined)."""
     first, last = _ends(cfg)
-    return ((first if stage == 0 else []) + [s for i in stage_layers(cfg.n_layers, layout.pp, stage)
-                                             for s in _block_shapes(cfg, i)] + (last if stage == layout.pp - 1 else []))
+    blocks, first_stage, last_stage = pipeline_rank_layers(cfg, layout, stage, chunks)
+    return (first if first_stage else []) + [s for i in blocks for s in _block_shapes(cfg, i)] + \
+        (last if last_stage else [])
 
 
 def tp_local_shape(shape: tuple[int, ...], tp_dim: int | None, tp: int, tp_rank: int) -> tuple[int, ...]:
@@ -308,6 +403,37 @@ def _dtype_bytes(precision: str) -> dict[str, int]:
     return {"param": 4, "grad": 4, "gathered": 2, "residual": 2, "matmul": 2, "reduce": 4}
 
 
+def recipe_job(cfg: LlamaArgs, train: Training, layout: Layout) -> Job:
+    """The recipe's Job that runs this plan (job.py: its flags from `recipe_flags`, section 7): what it decides of
+    the plan is read from it, as train.py reads it (`Job.float8_all_gather`), not decided again here. Made once per
+    plan (`_JOBS`: a search asks for it per parameter)."""
+    key = (repr(cfg), train, layout)
+    if key not in _JOBS:
+        _JOBS[key] = Job(**recipe_flags(train, layout), model_config=cfg)
+    return _JOBS[key]
+
+
+_JOBS: dict[tuple, Job] = {}
+
+
+def float8_converted(name: str, cfg: LlamaArgs, train: Training, tp: int) -> bool:
+    """Whether parameter `name` ("layers.3.attention.wq.weight") is the weight of a linear the recipe's float8.py
+    converts at this tp (`float8_linear_names`: a block's linears whose piece on a rank has both dimensions a
+    multiple of 16); not the output head, the norms, the embedding, nor an MoE's router and experts."""
+    parts = name.split(".")
+    return bool(train.float8) and parts[0] == "layers" and ".".join(parts[2:-1]) in float8_linear_names(cfg, tp)
+
+
+def gathered_width(name: str, cfg: LlamaArgs, train: Training, layout: Layout) -> int:
+    """Bytes per element FSDP2 all-gathers of parameter `name`: the compute dtype (`_dtype_bytes`), or 1 for a
+    float8 weight where the recipe gathers in float8 (`Job.float8_all_gather`: tensorwise where FSDP2 shards; the
+    shard is cast before it is sent; rowwise gathers the high-precision weight and casts after)."""
+    if train.float8 and recipe_job(cfg, train, layout).float8_all_gather and float8_converted(name, cfg, train,
+                                                                                               layout.tp):
+        return 1
+    return _dtype_bytes(train.precision)["gathered"]
+
+
 def model_state(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> dict:
     """Bytes of parameters, gradients and optimizer state on `rank`, held and allocated (FSDP2 padding included).
 
@@ -325,7 +451,7 @@ def model_state(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> d
     b = _dtype_bytes(train.precision)
     shard = layout.dp_shard if layout.fsdp else 1
     held = padded = whole_grads = experts = 0
-    for _, params, count in stage_groups(cfg, layout, c["pp"], train.moe_experts):
+    for _, params, count in stage_groups(cfg, layout, c["pp"], train.moe_experts, train.chunks):
         for name, shape, tp_dim in params:
             local = tp_local_shape(shape, tp_dim, layout.tp, c["tp"])
             rest = math.prod(local[1:])
@@ -493,14 +619,79 @@ def rope_activations(cfg: LlamaArgs, train: Training, layout: Layout) -> dict[st
     return {"per block": 0.0, "per forward": 0.0, "buffers saved": float(rope_tables_bytes(cfg))}
 
 
-def in_flight_microbatches(layout: Layout, train: Training, stage: int, schedule: str = "1f1b") -> int:
-    """Micro-batches whose activations a stage holds at once: one without pipelining; under 1F1B stage s holds at
-    most pp - s (the first stage pp), under GPipe all of the step's."""
-    if layout.pp == 1:
-        return 1
-    if schedule == "gpipe":
-        return train.grad_accum
-    return min(layout.pp - stage, train.grad_accum)
+@functools.lru_cache(maxsize=4096)
+def schedule_order(name: str, pp: int, microbatches: int, rank: int, chunks: int = 0) -> tuple[tuple[int, str, int]]:
+    """The compute actions pipeline rank `rank` runs in one step, in order: (stage, kind, micro-batch), kind F a
+    forward, B a backward, I and W the input's and the weights' halves of a backward the zero-bubble schedule splits.
+
+    As torch.distributed.pipelining's schedules (torch 2.11 to 2.13) run them: GPipe every forward, then every
+    backward; 1F1B min(m, pp - rank) forwards, then a backward and a forward in turn, then the backwards left; the
+    interleaved schedules (`chunks` stages per rank, default SCHEDULES') as `_get_warmup_ops` and
+    `_get_1f1b_rank_ops` order them: (chunks - 1) rounds of forwards plus 2 per rank below the last (1 for
+    zero bubble) before the first backward, the forwards in rounds of m / max(1, m // pp) micro-batches per stage,
+    the backwards from the last stage back; zero bubble splits each backward into I and W and delays W by `rank`
+    steps. tests/planner runs torch's schedules on gloo ranks and holds these orders equal to what they ran."""
+    v, m = chunks or SCHEDULES[name], microbatches
+    if name == "gpipe":
+        return tuple([(rank, "F", i) for i in range(m)] + [(rank, "B", i) for i in range(m)])
+    if name == "1f1b":
+        warm = min(m, pp - rank)
+        order = [(rank, "F", i) for i in range(warm)]
+        for i in range(m):
+            order += [(rank, "B", i)] + ([(rank, "F", warm + i)] if warm + i < m else [])
+        return tuple(order)
+    zero_bubble = name == "interleaved-zb"
+    per_round = m // max(1, m // pp)
+    warm = min((v - 1) * per_round + (1 if zero_bubble else 2) * (pp - 1 - rank), m * v)
+    done = {"F": [0] * (v * pp), "B": [0] * (v * pp), "W": [0] * (v * pp)}
+    order, backwards = [], []
+
+    def act(stage, kind):
+        count = done["B" if kind == "I" else kind]
+        order.append((stage, kind, count[stage]))
+        count[stage] += 1
+
+    for op in range(m * v + warm):
+        if op < m * v:
+            act((op // per_round) % v * pp + rank, "F")
+        if op >= warm:
+            backwards.append((v - 1 - ((op - warm) // per_round) % v) * pp + rank)
+            act(backwards[-1], "I" if zero_bubble else "B")
+            if zero_bubble and op - warm >= rank:
+                act(backwards[sum(done["W"])], "W")
+    while zero_bubble and sum(done["W"]) < len(backwards):
+        act(backwards[sum(done["W"])], "W")
+    return tuple(order)
+
+
+@functools.lru_cache(maxsize=1024)
+def pipeline_bubble(name: str, pp: int, microbatches: int, chunks: int, backward_input: float,
+                    backward_weight: float) -> tuple[float, ...]:
+    """Each pipeline rank's idle share of a step (1 - its busy time / the step's) with schedule `name`, its order
+    replayed on one clock by notebook 08's `replay` (pipeline.py: each action waits for its rank and for what it
+    needs) with a forward of 1 and a backward of `backward_input` + `backward_weight` (its input's and weights'
+    gradients, in forwards) on every stage alike: 1F1B's is (pp - 1) / (m + pp - 1). pipeline.py imports torch:
+    imported here, only where a pipeline is planned."""
+    from pipeline import replay
+
+    replayed = replay({r: list(schedule_order(name, pp, microbatches, r, chunks)) for r in range(pp)}, 1.0,
+                      backward_input + backward_weight, backward_weight)
+    return tuple(1 - replayed["busy"][r] / replayed["makespan"] for r in range(pp))
+
+
+def in_flight(order: tuple[tuple[int, str, int], ...], weight: dict[int, float] | None = None) -> float:
+    """The most a rank holds for backward at once: over its order, the forwards (weighted by their stage's bytes,
+    `weight`; 1 each without) whose activations are not yet freed, by the backward (B) or, where the backward is
+    split, by its weights' half (W: the weight gradients need the matmuls' saved inputs). Exact for GPipe, 1F1B and
+    interleaved 1F1B (tests/planner); under zero bubble torch 2.13 keeps part of a later stage's tensors past W,
+    until the step ends: there this count is a floor."""
+    split = any(kind == "W" for _, kind, _ in order)
+    held = peak = 0.0
+    for stage, kind, _ in order:
+        w = (weight or {}).get(stage, 1.0)
+        held += w if kind == "F" else -w if kind == ("W" if split else "B") else 0.0
+        peak = max(peak, held)
+    return peak
 
 
 def selective_block(cfg: LlamaArgs, train: Training, tp: int) -> dict[str, float]:
@@ -551,7 +742,7 @@ def checkpointed_blocks(cfg: LlamaArgs, train: Training, blocks: list[int]) -> l
     return list(blocks)
 
 
-def activations(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
+def activations(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> dict:
     """Activation bytes a rank keeps at its peak (the end of a forward, before the backward frees them), by term.
 
     Checkpointing, as the recipe's --ac: "full" keeps each block's input only (the residual stream,
@@ -562,20 +753,20 @@ def activations(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, sche
 
     Under bf16 autocast the bf16 copies of the stage's matmul weights (`autocast_weight_copies`) are kept once,
     whatever the checkpointing: autocast caches each cast of a weight until its context exits, and the recipe's
-    context spans the forward and the backward (a pipeline's, the whole step). "kept" is every micro-batch in
-    flight plus that cache; "per_microbatch" leaves the cache out; "buffers_saved" is the rotary tables' storage
-    autograd also keeps, a buffer the stage holds anyway (in no "kept").
+    context spans the forward and the backward (a pipeline's, the whole step). "kept" is the micro-batches in
+    flight (the schedule's order, `in_flight`, each stage's forward weighted by its bytes) plus that cache;
+    "per_microbatch" is one forward through all the rank's stages, the cache left out; "buffers_saved" is the
+    rotary tables' storage autograd also keeps, a buffer the stage holds anyway (in no "kept").
     """
     c = coordinates(layout, rank)
     tp, stage = layout.tp, c["pp"]
-    blocks = list(stage_layers(cfg.n_layers, layout.pp, stage))
+    blocks, first, last = pipeline_rank_layers(cfg, layout, stage, train.chunks)
     casts = autocast_weight_copies(cfg, train, layout, rank)
     layer = layer_activations(cfg, train, tp)
     one = sum(layer.values())
     rope = rope_activations(cfg, train, layout)
     n = rank_tokens(train)
     kept_input = n * cfg.dim * _dtype_bytes(train.precision)["residual"] / tp
-    checkpointed = checkpointed_blocks(cfg, train, blocks)
     if train.checkpointing in ("selective", TORCHTITAN_SELECTIVE):
         kept = selective_block(cfg, train, tp)
         per_checkpointed = sum(kept.values())
@@ -584,17 +775,30 @@ def activations(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, sche
         recompute = one - reused
     else:
         per_checkpointed, recompute = kept_input, one
-    terms = {"blocks": (len(blocks) - len(checkpointed)) * one + len(checkpointed) * per_checkpointed
-             + len(blocks) * (rope["per block"] + moe_statistics_bytes(train)) + rope["per forward"]}
-    if stage == 0:
-        terms["embedding"] = sum(embedding_activations(train).values())
-    if stage == layout.pp - 1:
-        terms["head"] = sum(head_activations(cfg, train, tp).values())
-    micro = in_flight_microbatches(layout, train, stage, schedule)
+
+    def forward_terms(blocks: list[int], first: bool, last: bool) -> dict[str, float]:
+        """What one micro-batch's forward through these blocks (and the ends they hold) keeps."""
+        checkpointed = len(checkpointed_blocks(cfg, train, blocks))
+        terms = {"blocks": (len(blocks) - checkpointed) * one + checkpointed * per_checkpointed
+                 + len(blocks) * (rope["per block"] + moe_statistics_bytes(train)) + rope["per forward"]}
+        if first:
+            terms["embedding"] = sum(embedding_activations(train).values())
+        if last:
+            terms["head"] = sum(head_activations(cfg, train, tp).values())
+        return terms
+
+    terms = forward_terms(blocks, first, last)
     per_micro = sum(terms.values())
+    flight, micro = per_micro, 1
+    if layout.pp > 1:
+        stages, order = layout.pp * train.chunks, schedule_order(train.pp_schedule, layout.pp, train.grad_accum,
+                                                                 stage, train.chunks)
+        weight = {s: sum(forward_terms(list(stage_layers(cfg.n_layers, stages, s)), s == 0, s == stages - 1).values())
+                  for s in {a[0] for a in order}}
+        flight, micro = in_flight(order, weight), int(in_flight(order))
     cache = casts["block"] * len(blocks) + casts["head"]
-    return {"per_microbatch": per_micro, "in_flight": micro, "autocast_cache": cache,
-            "kept": per_micro * micro + cache, "recompute": recompute if checkpointed else 0.0, "terms": terms,
+    return {"per_microbatch": per_micro, "in_flight": micro, "autocast_cache": cache, "kept": flight + cache,
+            "recompute": recompute if checkpointed_blocks(cfg, train, blocks) else 0.0, "terms": terms,
             "buffers_saved": rope["buffers saved"] if blocks else 0.0}
 
 
@@ -640,13 +844,26 @@ def ring_backward_buffers(cfg: LlamaArgs, train: Training) -> float:
             + 2 * train.batch_size * cfg.n_heads * c * c) * mat
 
 
-def memory(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, schedule: str = "1f1b") -> dict:
+def cp_allgather_buffers(cfg: LlamaArgs, train: Training, tp: int) -> float:
+    """What torch's all-gather context parallel holds in a block's backward besides the saved tensors: the keys and
+    values of the whole sequence gathered (repeated to every head, the rank's tp share of the heads), the query's
+    gradient accumulated in fp32, and the key and value gradients it passes on and receives, in fp32."""
+    mat, n = _dtype_bytes(train.precision)["matmul"], rank_tokens(train)
+    return (2 * train.cp * n * cfg.dim * mat + (1 + 4) * n * cfg.dim * 4) / tp
+
+
+def memory(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> dict:
     """What `rank` holds at its peak, as the CUDA caching allocator counts it ("allocated", by phase of the step,
     the largest taken) and reserves it ("reserved": `allocator_overhead`).
 
     Always held: parameters and optimizer state (allocated, FSDP2's padding in), the rotary tables, DDP's gradient
-    buckets, a pipelined stage's gathered parameters and unsharded gradients; the sharded gradients from the second
-    micro-batch on (the recipe frees them at every step's end: set_to_none). Then the largest of:
+    buckets, a pipelined stage's gathered parameters and unsharded gradients (in the parameters' compute dtype:
+    torch's PipelineStage turns FSDP2's reshard_after_backward off until the last micro-batch, and FSDP2 upcasts to
+    the reduction's dtype only where it reshards: `to_accumulated_grad_if_needed`); the sharded gradients from the
+    second micro-batch on (the recipe frees them at every step's end: set_to_none); a pipeline stage's receive
+    buffers, one per micro-batch for the hidden states it receives (all but the first stage) and one for their
+    gradients (all but the last), made once by torch's PipelineStage (`_setup_forward_recv_info`). Gathered float8
+    weights (tensorwise, FSDP2's float8 all-gather) take 1 byte each. Then the largest of:
     - the loss's backward (last stage): every kept activation, and beside the fp32 log-probabilities two more fp32
       tensors of the vocabulary (the gradient `nll_loss` hands back, and `log_softmax`'s gradient of the logits):
       eager `log_softmax` backward holds three at once;
@@ -659,25 +876,32 @@ def memory(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, schedule:
     gathered (each rank holds its own whole).
     """
     c = coordinates(layout, rank)
-    last, tp = c["pp"] == layout.pp - 1, layout.tp
+    last, tp = pipeline_rank_layers(cfg, layout, c["pp"], train.chunks)[2], layout.tp
     b = _dtype_bytes(train.precision)
     state = model_state(cfg, train, layout, rank)
-    act = activations(cfg, train, layout, rank, schedule)
+    act = activations(cfg, train, layout, rank)
     n = rank_tokens(train)
     held = {"parameters": state["allocated"]["parameters"], "optimizer": state["allocated"]["optimizer"],
             "rotary tables": rope_tables_bytes(cfg)}
     if layout.ddp:
         held["DDP gradient buckets"] = state["held"]["gradients"]
-    gathered = sum(math.prod(tp_local_shape(s, d, layout.tp, c["tp"])) for name, s, d in
-                   _block_shapes(cfg, 0, train.moe_experts) if train.ep == 1 or ".experts." not in name)
+    shapes = [(name, math.prod(tp_local_shape(s, d, layout.tp, c["tp"]))) for name, s, d in
+              _block_shapes(cfg, 0, train.moe_experts) if train.ep == 1 or ".experts." not in name]
+    gathered = sum(e for _, e in shapes)
+    gathered_bytes = sum(e * gathered_width(name, cfg, train, layout) for name, e in shapes)
+    if layout.pp > 1:
+        stages = layout.pp * train.chunks
+        ways = sum((s > 0) + (s < stages - 1) for s in range(c["pp"], stages, layout.pp))
+        held["pipeline receive buffers"] = ways * train.grad_accum * n * cfg.dim * b["residual"] / tp
     if layout.fsdp and layout.pp > 1:
         whole = state["padded_elements"] * layout.dp_shard
-        held["FSDP gathered parameters (whole stage)"] = whole * b["gathered"]
-        held["FSDP unsharded gradients (whole stage)"] = whole * b["reduce"]
+        held["FSDP gathered parameters (whole stage)"] = whole * gathered_bytes / gathered
+        held["FSDP unsharded gradients (whole stage)"] = whole * b["gathered"]
     grads = state["allocated"]["gradients"] if train.grad_accum > 1 or layout.pp > 1 else 0.0
     logprobs = n * cfg.vocab_size * 4 / tp if last else 0.0
-    block = gathered * (2 * b["gathered"] + b["matmul"] + b["reduce"]) if layout.fsdp and layout.pp == 1 else 0.0
-    ring = ring_backward_buffers(cfg, train) if train.cp > 1 else 0.0
+    block = 2 * gathered_bytes + gathered * (b["matmul"] + b["reduce"]) if layout.fsdp and layout.pp == 1 else 0.0
+    ring = 0.0 if train.cp == 1 else ring_backward_buffers(cfg, train) if train.cp_attention == "ring" else \
+        cp_allgather_buffers(cfg, train, tp)
     phases = {"a block's backward": grads + act["kept"] - logprobs + act["recompute"] + block + ring,
               "optimizer step": state["allocated"]["gradients"]
               + (4 * state["elements"] if train.optimizer == "adamw" else 0)}
@@ -691,15 +915,18 @@ def memory(cfg: LlamaArgs, train: Training, layout: Layout, rank: int, schedule:
 
 # ----------------------------------------------------------------------------------------------------- 5. communication
 
-def _group_elements(cfg: LlamaArgs, layout: Layout, rank: int, train: Training) -> list[tuple[int, int]]:
-    """[(elements of one rank's padded shard of an FSDP group, how many such groups)] on `rank`'s stage: a block
-    (counted), the root (the all-gather output is dp_shard x this; the reduce-scatter input too). Experts under ep
-    are no FSDP2 parameters."""
-    c = coordinates(layout, rank)
-    return [(sum(-(-s[0] // layout.dp_shard) * math.prod(s[1:]) for s in
-                 (tp_local_shape(shape, d, layout.tp, c["tp"]) for name, shape, d in params
-                  if train.ep == 1 or ".experts." not in name)), count)
-            for _, params, count in stage_groups(cfg, layout, c["pp"], train.moe_experts)]
+def _group_elements(cfg: LlamaArgs, layout: Layout, rank: int, train: Training) -> list[tuple[int, int, int]]:
+    """[(elements of one rank's padded shard of an FSDP group, the bytes FSDP2 gathers of it (`gathered_width`), how
+    many such groups)] on `rank`'s pipeline rank: a block (counted), the root (the all-gather output is dp_shard x
+    this; the reduce-scatter input too). Experts under ep are no FSDP2 parameters."""
+    c, out = coordinates(layout, rank), []
+    for _, params, count in stage_groups(cfg, layout, c["pp"], train.moe_experts, train.chunks):
+        shards = [(name, -(-s[0] // layout.dp_shard) * math.prod(s[1:])) for name, s in
+                  ((name, tp_local_shape(shape, d, layout.tp, c["tp"])) for name, shape, d in params
+                   if train.ep == 1 or ".experts." not in name)]
+        out.append((sum(e for _, e in shards), sum(e * gathered_width(name, cfg, train, layout) for name, e in shards),
+                    count))
+    return out
 
 
 def _ring_factor(kind: str, n: int) -> float:
@@ -726,9 +953,10 @@ def _data_parallel_collectives(cfg: LlamaArgs, train: Training, layout: Layout, 
     if layout.fsdp:
         shard, groups = layout.dp_shard, _group_elements(cfg, layout, rank, train)
         gathers, reduces = (1, 1) if layout.pp > 1 else (2 * micro, micro)
-        elements, count = sum(e * n for e, n in groups), sum(n for _, n in groups)
+        elements, count = sum(e * n for e, _, n in groups), sum(n for _, _, n in groups)
+        gathered = sum(g * n for _, g, n in groups)
         return (_collective("FSDP parameters", "all_gather", "dp_shard", shard, gathers * count,
-                            gathers * elements * shard * b["gathered"], b["gathered"])
+                            gathers * gathered * shard, b["gathered"])
                 + _collective("FSDP gradients", "reduce_scatter", "dp_shard", shard, reduces * count,
                               reduces * elements * shard * b["reduce"], b["reduce"])
                 + _collective("HSDP gradients", "all_reduce", "dp_replicate", layout.dp_replicate,
@@ -742,15 +970,17 @@ def _data_parallel_collectives(cfg: LlamaArgs, train: Training, layout: Layout, 
 def _tensor_parallel_collectives(cfg: LlamaArgs, train: Training, layout: Layout, stage: int) -> list[dict]:
     """Sequence parallelism's all-gathers and reduce-scatters per micro-batch (each block's two halves, the
     embedding on the first stage, the output projection on the last), grouped by element width, those a
-    checkpointed block's recomputation repeats, and the parallel loss's all-reduces (see `communication`)."""
+    checkpointed block's recomputation repeats, and the parallel loss's all-reduces (see `communication`). Under
+    float8 a block's all-gathers carry float8 (torchao's float8 tensor parallel styles: the column-wise layers'
+    inputs cast before they are gathered, the row-wise layers' output gradients too); its reduce-scatters do not."""
     b = _dtype_bytes(train.precision)
     micro, t = train.grad_accum, layout.tp
-    n, d = train.batch_size * train.seq_len, cfg.dim
-    first, last = stage == 0, stage == layout.pp - 1
-    blocks = list(stage_layers(cfg.n_layers, layout.pp, stage))
+    n, d = rank_tokens(train), cfg.dim
+    blocks, first, last = pipeline_rank_layers(cfg, layout, stage, train.chunks)
     res, mat = b["residual"], b["matmul"]
+    gathered_res, gathered_mat = (1, 1) if train.float8 else (res, mat)
     # (elements, dtype bytes) per micro-batch, forward and backward together
-    gathers = [(n * d, res)] * (2 * len(blocks)) + [(n * d, mat)] * (2 * len(blocks))
+    gathers = [(n * d, gathered_res)] * (2 * len(blocks)) + [(n * d, gathered_mat)] * (2 * len(blocks))
     scatters = [(n * d, mat)] * (2 * len(blocks)) + [(n * d, res)] * (2 * len(blocks))
     if first:
         scatters.append((n * d, res))
@@ -760,7 +990,7 @@ def _tensor_parallel_collectives(cfg: LlamaArgs, train: Training, layout: Layout
         scatters.append((n * d, res))
     records = []
     for what, g, s in (("TP sequence parallel", gathers, scatters), ("TP recomputed by checkpointing", *_recomputed(
-            cfg, train, blocks, n * d, res, mat))):
+            cfg, train, blocks, n * d, gathered_res, mat))):
         by_width: dict = {}
         for kind, items in (("all_gather", g), ("reduce_scatter", s)):
             for elements, width in items:
@@ -798,6 +1028,21 @@ def ring_sends(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> li
                           micro * again * (cp - 1) * 2 * kv, mat)
             + _collective("context-parallel ring, backward (k, v, dk, dv)", "send", "cp", cp,
                           micro * len(blocks) * cp, micro * len(blocks) * ((cp - 1) * 4 + 2) * kv, mat))
+
+
+def cp_allgather_collectives(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> list[dict]:
+    """torch's context_parallel as torchtitan runs it (`Training.cp_attention` "allgather"), per block and micro-batch:
+    the forward all-gathers every cp rank's keys and values (repeated to every query head before attention, split
+    over tp by head); the backward all-gathers them again and passes each rank's key and value gradients around
+    the cp ranks (cp shifts, all-to-all); a checkpointed block's recomputed forward gathers again."""
+    blocks = pipeline_rank_layers(cfg, layout, coordinates(layout, rank)["pp"], train.chunks)[0]
+    mat, cp, micro = _dtype_bytes(train.precision)["matmul"], train.cp, train.grad_accum
+    kv = 2 * rank_tokens(train) * cfg.dim * mat / layout.tp           # one rank's k and v, bytes
+    gathers = micro * (2 * len(blocks) + len(checkpointed_blocks(cfg, train, blocks)))
+    return (_collective("context-parallel keys and values (all-gather)", "all_gather", "cp", cp, gathers,
+                        gathers * cp * kv, mat)
+            + _collective("context-parallel key and value gradients (shifts)", "all_to_all", "cp", cp,
+                          micro * len(blocks) * cp, micro * len(blocks) * cp * kv, mat))
 
 
 def expert_collectives(cfg: LlamaArgs, train: Training, layout: Layout, rank: int,
@@ -854,23 +1099,29 @@ def communication(cfg: LlamaArgs, train: Training, layout: Layout, rank: int = 0
     if layout.tp > 1:
         records += _tensor_parallel_collectives(cfg, train, layout, stage)
     if train.cp > 1:
-        records += ring_sends(cfg, train, layout, rank)
+        records += (ring_sends if train.cp_attention == "ring" else cp_allgather_collectives)(cfg, train, layout,
+                                                                                            rank)
     if train.ep > 1:
         records += expert_collectives(cfg, train, layout, rank)
     sharded_dims = [(g, size) for g, size in (("dp_shard", layout.dp_shard if layout.fsdp else 1), ("tp", layout.tp))
                     if size > 1]
-    params = [name for _, group, count in stage_groups(cfg, layout, stage, train.moe_experts)
+    params = [name for _, group, count in stage_groups(cfg, layout, stage, train.moe_experts, train.chunks)
               for name, _, _ in group for _ in range(count)]
     experts = sum(".experts." in name for name in params) if train.ep > 1 else 0
     for group, size in sharded_dims:
         records += _collective("gradient norm (per-tensor norms)", "all_reduce", group, size, 1,
                                (len(params) - experts) * 4, 4)
     records += _collective("gradient norm (experts' norms)", "all_reduce", "ep", train.ep, 1, experts * 4, 4)
+    if train.float8 and recipe_job(cfg, train, layout).float8_all_gather:     # float8.precompute_scales, a step
+        converted = sum(float8_converted(name, cfg, train, layout.tp) for name in params)
+        records += _collective("float8 weight scales (amax)", "all_reduce", "dp_shard", layout.dp_shard, 1,
+                               converted * 4, 4)
     if layout.pp > 1:
         records += _collective("gradient norm (stages' squared norms)", "all_reduce", "pp", layout.pp, 1, 4, 4)
         b = _dtype_bytes(train.precision)
-        msg = train.batch_size * train.seq_len * cfg.dim * b["residual"] / layout.tp
-        sends = (stage < layout.pp - 1) + (stage > 0)
+        msg = rank_tokens(train) * cfg.dim * b["residual"] / layout.tp
+        stages = layout.pp * train.chunks
+        sends = sum((s < stages - 1) + (s > 0) for s in range(stage, stages, layout.pp))
         records += _collective("pipeline hidden states and their gradients", "send", "pp", layout.pp,
                                train.grad_accum * sends, train.grad_accum * sends * msg, b["residual"])
     return records
@@ -888,10 +1139,12 @@ def _tile_fill(m: int, n: int, sms: int) -> float:
     return m * n / (rows * 128 * cols * 256) * rows * cols / (waves * sms)
 
 
-def matmul_seconds(m: int, k: int, n: int, rates: Rates) -> float:
-    """(m x k) @ (k x n) at the measured rate of a large square matmul (8192^3), scaled by how well this shape
-    fills the GPU against how well the measured one did (`_tile_fill`): matmul efficiency by shape."""
-    return 2 * m * k * n / (rates.matmul * _tile_fill(m, n, rates.sms) / _tile_fill(8192, 8192, rates.sms))
+def matmul_seconds(m: int, k: int, n: int, rates: Rates, float8: bool = False) -> float:
+    """(m x k) @ (k x n) at the measured rate of a large square matmul (8192^3) in the compute dtype, or in float8
+    (`Rates.float8`), scaled by how well this shape fills the GPU against how well the measured one did
+    (`_tile_fill`): matmul efficiency by shape."""
+    rate = rates.float8 if float8 else rates.matmul
+    return 2 * m * k * n / (rate * _tile_fill(m, n, rates.sms) / _tile_fill(8192, 8192, rates.sms))
 
 
 def _block_matmuls(cfg: LlamaArgs, n: int, tp: int) -> dict[str, tuple[int, int, int]]:
@@ -902,9 +1155,15 @@ def _block_matmuls(cfg: LlamaArgs, n: int, tp: int) -> dict[str, tuple[int, int,
             "w1": (n, d, h // tp), "w3": (n, d, h // tp), "w2": (n, h // tp, d)}
 
 
-def _forward_backward(m: int, k: int, n: int, rates: Rates) -> float:
+def _forward_backward(m: int, k: int, n: int, rates: Rates, float8: bool = False) -> float:
     """A projection's forward and its backward's two matmuls (the input's gradient, the weight's)."""
-    return matmul_seconds(m, k, n, rates) + matmul_seconds(m, n, k, rates) + matmul_seconds(k, m, n, rates)
+    return sum(_passes(m, k, n, rates, float8))
+
+
+def _passes(m: int, k: int, n: int, rates: Rates, float8: bool = False) -> tuple[float, float, float]:
+    """(forward, the input's gradient, the weight's gradient) seconds of one projection's three matmuls."""
+    return (matmul_seconds(m, k, n, rates, float8), matmul_seconds(m, n, k, rates, float8),
+            matmul_seconds(k, m, n, rates, float8))
 
 
 def elementwise_bytes(cfg: LlamaArgs, train: Training, tp: int) -> float:
@@ -928,6 +1187,40 @@ def elementwise_bytes(cfg: LlamaArgs, train: Training, tp: int) -> float:
     if train.moe_experts:
         total += (3 if train.compile else 5) * m * h * (train.moe_top_k - 1) + 4 * train.moe_top_k * r * d
     return total / tp
+
+
+# Bytes per element a float8 cast moves (torchao's dynamic scaling at the versions torchtitan's benchmark names):
+# eager, one kernel per op: abs (read 2, write 2), max (read 2), the scale's multiply (2 + 2), the clamp (2 + 2),
+# the cast (2 + 1), and the copy the weight gradient's matmul needs in the other layout (1 + 1): 19; compiled, the
+# amax rides in the kernel that made the tensor, one kernel reads it once and writes both float8 layouts: 4.
+FLOAT8_CAST_BYTES = {"eager": 19, "compiled": 4}
+
+
+def float8_block_linears(cfg: LlamaArgs, train: Training, tp: int) -> set[str]:
+    """The block projections (`_block_matmuls`' names: wq, ..., w2) that run in float8 at this tp: float8.py's
+    `float8_linear_names`, none without float8 or where an MoE's experts replace the feed-forward."""
+    if not train.float8:
+        return set()
+    return {name.split(".")[1] for name in float8_linear_names(cfg, tp)
+            if not (train.moe_experts and name.startswith("feed_forward"))}
+
+
+def float8_cast_bytes(cfg: LlamaArgs, train: Training, tp: int) -> tuple[float, float]:
+    """(forward, backward) bytes per token on one rank that one block's float8 casts move: every converted matmul's
+    input in forward (compiled, one cast per distinct tensor: wq, wk, wv share theirs, w1 and w3 theirs; under tp
+    the gathered inputs are cast before they are gathered, a 1/tp share each), every output's gradient in backward
+    (FLOAT8_CAST_BYTES each element). Weights are cast once per gather (`step_time`)."""
+    converted = float8_block_linears(cfg, train, tp)
+    if not converted:
+        return 0.0, 0.0
+    shapes = _block_matmuls(cfg, 1, tp)            # (1 token, in, out) of each projection on one rank
+    gathered = {w: BLOCK_LINEARS[name] == "col" for name in BLOCK_LINEARS for w in [name.split(".")[1]]}
+    inputs = {w: shapes[w][1] / (tp if gathered[w] else 1) for w in converted}
+    if train.compile:       # one cast per distinct input: wq, wk, wv read the same normed tensor, w1 and w3 too
+        inputs = {w: v for w, v in inputs.items() if w not in ("wk", "wv", "w3") or
+                  {"wk": "wq", "wv": "wq", "w3": "w1"}[w] not in converted}
+    per = FLOAT8_CAST_BYTES["compiled" if train.compile else "eager"]
+    return per * sum(inputs.values()), per * sum(shapes[w][2] for w in converted)
 
 
 def _recomputed_matmuls(train: Training) -> tuple[str, ...]:
@@ -973,104 +1266,199 @@ def bus_bandwidth(size: int, stride: int, rates: Rates) -> float:
     return min(rates.intra, rates.inter * per_node)
 
 
-def communication_seconds(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates, rank: int = 0):
-    """(seconds that can hide behind compute, seconds that cannot) of `rank`'s collectives in one step, each at its
-    group's bus bandwidth plus a latency per call (see `step_time`)."""
-    tp, overlapped, exposed = layout.tp, 0.0, 0.0
+def communication_seconds(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates, rank: int = 0) -> dict:
+    """{'overlapped': seconds that can hide behind compute, 'exposed': seconds that cannot, 'tp_blocks': the
+    exposed seconds of the blocks' tensor-parallel collectives (async TP's to hide)} of `rank`'s collectives in one
+    step, each at its group's bus bandwidth plus a latency per call (see `step_time`)."""
+    tp, out = layout.tp, {"overlapped": 0.0, "exposed": 0.0, "tp_blocks": 0.0}
     stride = {"tp": 1, "dp_shard": tp, "dp_replicate": tp * layout.dp_shard, "pp": tp * layout.dp, "cp": tp,
               "ep": tp, "ep_replicas": tp * train.ep}
     for r in communication(cfg, train, layout, rank):
         bw = bus_bandwidth(r["group_size"], stride[r["group"]], rates)
         seconds = r["sent_bytes"] / bw + r["calls"] * rates.latency
         if r["what"].startswith(("FSDP", "HSDP", "DDP")):
-            exposed += seconds / r["calls"]                           # one call's worth is not hidden
-            overlapped += seconds - seconds / r["calls"]
+            out["exposed"] += seconds / r["calls"]                    # one call's worth is not hidden
+            out["overlapped"] += seconds - seconds / r["calls"]
         elif r["what"].startswith("context-parallel ring") and "backward" not in r["what"]:
-            overlapped += seconds
+            out["overlapped"] += seconds
         else:
-            exposed += seconds
-    return overlapped, exposed
+            out["exposed"] += seconds
+            if r["what"].startswith(("TP sequence parallel", "TP recomputed")):
+                out["tp_blocks"] += seconds
+    return out
+
+
+# async TP: each all-gather (reduce-scatter) is cut into tp pieces that overlap the matmul pieces they feed (follow);
+# the first piece of the shorter of the two cannot overlap anything: 1 / tp of it stays exposed
+ASYNC_TP_RESIDUAL = "the first of tp pieces"
+
+
+def _block_seconds(cfg: LlamaArgs, train: Training, rates: Rates, n: int, tp: int, blocks: list[int]) -> dict:
+    """One micro-batch through `blocks` on one rank, by pass: {'F': forward, 'I': the backward's input gradients
+    with whatever checkpointing recomputes, 'W': the weight gradients} seconds of matmuls, and of attention, and the
+    elementwise bytes (`elementwise_bytes`, `float8_cast_bytes`) of each pass."""
+    again = len(checkpointed_blocks(cfg, train, blocks))
+    whole = again if train.checkpointing in ("full", "alternate") else 0
+    shapes = _block_matmuls(cfg, n, tp)
+    if train.moe_experts:                           # the experts in place of w1, w3, w2
+        shapes = {w: s for w, s in shapes.items() if w not in ("w1", "w3", "w2")}
+    mm, converted = dict.fromkeys("FIW", 0.0), float8_block_linears(cfg, train, tp)
+    for w, shape in shapes.items():
+        f, i, g = _passes(*shape, rates, w in converted)
+        mm["F"], mm["I"], mm["W"] = mm["F"] + len(blocks) * f, mm["I"] + len(blocks) * i, mm["W"] + len(blocks) * g
+        mm["I"] += again * f if w in _recomputed_matmuls(train) else 0.0
+    if train.moe_experts:
+        forward = moe_matmul_seconds(cfg, train, rates, forward_only=True)
+        backward = moe_matmul_seconds(cfg, train, rates) - forward
+        mm["F"] += len(blocks) * forward
+        mm["I"] += len(blocks) * backward / 2 + whole * forward
+        mm["W"] += len(blocks) * backward / 2
+    if train.cp > 1 and train.cp_attention == "ring":
+        forward = ring_attention_seconds(cfg, train, rates, forwards=1, passes=10)
+        attention = {"F": len(blocks) * forward, "I": len(blocks) * (ring_attention_seconds(cfg, train, rates)
+                                                                      - forward) + whole * forward, "W": 0.0}
+    else:
+        forward = 2 * n * train.seq_len * cfg.dim / tp / rates.attention
+        attention = {"F": len(blocks) * forward, "I": (2.5 * len(blocks) + whole) * forward, "W": 0.0}
+    per_token = elementwise_bytes(cfg, train, tp)
+    cast_f, cast_b = float8_cast_bytes(cfg, train, tp)
+    traffic = {"F": len(blocks) * n * (per_token + cast_f),
+               "I": n * (2 * len(blocks) * per_token + again * (per_token + cast_f) + len(blocks) * cast_b), "W": 0.0}
+    if train.cp > 1 and train.cp_attention == "allgather":     # merging each kv chunk's partial output (fp32)
+        merge = train.cp * n * cfg.dim / tp * 12
+        traffic["F"] += len(blocks) * merge
+        traffic["I"] += (2 * len(blocks) + whole) * merge
+    return {"matmul": mm, "attention": attention, "traffic": traffic}
 
 
 def step_time(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates, rank: int = 0) -> dict:
     """One step's seconds on `rank`, from achieved rates (not one fraction of a peak), with its parts.
 
     - matmuls, shape by shape (`matmul_seconds`), the forward's and the backward's, and again those a checkpointed
-      block recomputes (full: all; torchtitan's per-op policy: wk, wo, w3; the recipe's: none);
+      block recomputes (full: all; torchtitan's per-op policy: wk, wo, w3; the recipe's: none); under float8 the
+      blocks' projections at the float8 rate (`Rates.float8`), the output head in the compute dtype;
     - attention at fused attention's rate, FlashAttention-2's count (forward 4 b s^2 h d / 2 when causal, backward
       2.5 forwards), its forward again where a whole block is recomputed; under cp the ring's eager blocks
-      (`ring_attention_seconds`); an MoE's matmuls expert by expert (`moe_matmul_seconds`);
+      (`ring_attention_seconds`) or, with torch's all-gathered keys and values, the rank's causal share at the fused
+      rate; an MoE's matmuls expert by expert (`moe_matmul_seconds`);
     - elementwise work at the memory rate (`elementwise_bytes`: backward twice the forward's bytes, and a
-      checkpointed block's forward again), the loss over the vocabulary, autocast's weight casts, the optimizer;
+      checkpointed block's forward again; float8's casts, `float8_cast_bytes`), the loss over the vocabulary,
+      autocast's weight casts, the optimizer;
     - communication (`communication`): FSDP2's and DDP's collectives overlap with the compute except one call's
       worth per kind and whatever exceeds the compute; tensor-parallel, loss and pipeline traffic sit on the
-      critical path (no async TP); a group that spans nodes runs at the inter-node rate; each call pays the latency;
-      the ring's forward shifts overlap, its backward's do not; the experts' all-to-alls and gradient all-reduce
-      are exposed;
-    - the pipeline idles (pp - 1) / (m + pp - 1) of the step (1F1B's bubble, m micro-batches).
+      critical path, except under async TP (`Training.async_tp`): the blocks' TP collectives then overlap the
+      block matmuls, all but ASYNC_TP_RESIDUAL (min(comm, matmul) / tp); a group that spans nodes runs at the
+      inter-node rate; each call pays the latency; the ring's forward shifts overlap, its backward's do not; the
+      experts' all-to-alls and gradient all-reduce are exposed;
+    - the pipeline's bubble from its schedule's own order (`schedule_order`), replayed (`replay`) with this rank's
+      forward and backward of a micro-batch as every stage's: 1F1B's (pp - 1) / (m + pp - 1); the interleaved
+      schedules less; zero bubble fills it with the weights' gradients.
     """
     c = coordinates(layout, rank)
     tp, micro = layout.tp, train.grad_accum
     n = rank_tokens(train)
-    blocks = list(stage_layers(cfg.n_layers, layout.pp, c["pp"]))
-    again = len(checkpointed_blocks(cfg, train, blocks))
-    whole = again if train.checkpointing in ("full", "alternate") else 0
-    shapes = _block_matmuls(cfg, n, tp)
-    if train.moe_experts:                           # the experts in place of w1, w3, w2
-        shapes = {w: s for w, s in shapes.items() if w not in ("w1", "w3", "w2")}
-    matmul = len(blocks) * sum(_forward_backward(*s, rates) for s in shapes.values()) + \
-        again * sum(matmul_seconds(*shapes[w], rates) for w in _recomputed_matmuls(train) if w in shapes)
-    if train.moe_experts:
-        matmul += len(blocks) * moe_matmul_seconds(cfg, train, rates) + whole * moe_matmul_seconds(cfg, train, rates,
-                                                                                                  forward_only=True)
-    if c["pp"] == layout.pp - 1:
-        matmul += _forward_backward(n, cfg.dim, cfg.vocab_size // tp, rates)
-    attention_forward = 2 * n * train.seq_len * cfg.dim / tp
-    attention = (3.5 * len(blocks) + whole) * attention_forward / rates.attention
-    if train.cp > 1:
-        attention = len(blocks) * ring_attention_seconds(cfg, train, rates) + \
-            whole * ring_attention_seconds(cfg, train, rates, forwards=1, passes=10)
-    b = _dtype_bytes(train.precision)
-    traffic = (3 * len(blocks) + again) * n * elementwise_bytes(cfg, train, tp)
-    if c["pp"] == layout.pp - 1:
-        traffic += n * cfg.vocab_size / tp * (32 + (12 if b["matmul"] == 2 else 0))
+    blocks, first, last = pipeline_rank_layers(cfg, layout, c["pp"], train.chunks)
+    parts = _block_seconds(cfg, train, rates, n, tp, blocks)
+    block_matmuls = sum(parts["matmul"].values())
+    if last:
+        f, i, g = _passes(n, cfg.dim, cfg.vocab_size // tp, rates)
+        parts["matmul"]["F"] += f
+        parts["matmul"]["I"] += i
+        parts["matmul"]["W"] += g
+        parts["traffic"]["I"] += n * cfg.vocab_size / tp * (32 + (12 if _dtype_bytes(train.precision)["matmul"] == 2
+                                                                  else 0))
     state = model_state(cfg, train, layout, rank)
     weights = state["elements"] if not layout.fsdp else 0
     casts = 6 * weights if train.precision == "bf16-autocast" else 0
-    memory = (micro * (traffic + casts) + (68 if train.optimizer == "adamw" else 36) * state["elements"]) / \
-        rates.memory
-    compute = micro * (matmul + attention) + memory
-    overlapped, exposed = communication_seconds(cfg, train, layout, rates, rank)
-    busy = max(compute, overlapped) + exposed
-    bubble = (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0
-    return {"seconds": busy / (1 - bubble), "matmul": micro * matmul, "attention": micro * attention,
-            "memory": memory, "comm_overlapped": overlapped, "comm_exposed": exposed, "bubble": bubble,
+    converted = sum(count * math.prod(tp_local_shape(shape, d, tp, c["tp"]))
+                    for _, params, count in stage_groups(cfg, layout, c["pp"], train.moe_experts, train.chunks)
+                    for name, shape, d in params if float8_converted(name, cfg, train, tp))
+    casts += converted * FLOAT8_CAST_BYTES["compiled" if train.compile else "eager"] * 2 / \
+        (layout.dp_shard if train.float8 and recipe_job(cfg, train, layout).float8_all_gather else 1)
+    per_step = (68 if train.optimizer == "adamw" else 36) * state["elements"] / rates.memory
+    seconds = {k: parts["matmul"][k] + parts["attention"][k] + parts["traffic"][k] / rates.memory for k in "FIW"}
+    seconds["I"] += casts / rates.memory
+    compute = micro * sum(seconds.values()) + per_step
+    comm = communication_seconds(cfg, train, layout, rates, rank)
+    exposed = comm["exposed"]
+    if train.async_tp and tp > 1:
+        exposed -= min(comm["tp_blocks"], micro * block_matmuls) * (tp - 1) / tp
+    busy = max(compute, comm["overlapped"]) + exposed
+    bubble = 0.0 if layout.pp == 1 else pipeline_bubble(train.pp_schedule, layout.pp, micro, train.chunks,
+                                                        round(seconds["I"] / seconds["F"], 3),
+                                                        round(seconds["W"] / seconds["F"], 3))[c["pp"]]
+    return {"seconds": busy / (1 - bubble), "matmul": micro * sum(parts["matmul"].values()),
+            "attention": micro * sum(parts["attention"].values()),
+            "memory": micro * sum(parts["traffic"].values()) / rates.memory + casts * micro / rates.memory + per_step,
+            "comm_overlapped": comm["overlapped"], "comm_exposed": exposed, "bubble": bubble,
             "rates": rates.sources}
+
+
+def tokens_per_gpu(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates) -> float:
+    """Tokens/s per GPU: a step's tokens over the slowest pipeline rank's step time, per GPU."""
+    seconds = max(step_time(cfg, train, layout, rates, s * layout.world // layout.pp)["seconds"]
+                  for s in range(layout.pp))
+    return train.batch_size * train.seq_len * train.grad_accum * data_ranks(layout, train) / seconds / layout.world
+
+
+def calibrate(run: MeasuredRun, rates: Rates) -> float:
+    """The factor on `rates`' compute rates (matmul, float8, attention: `Rates.scaled`) at which the planner predicts
+    `run`'s tokens/s per GPU. It carries what the datasheet and the planner's shares do not know of that GPU and
+    that software (a power limit, the kernels; on a small model, Python's overhead) to every plan made with it;
+    memory and link rates stay. Bisection (the prediction rises with the factor); ValueError where no factor from
+    1e-6 to 1000 reaches the run (one bound by its communication). Solved once per run and rates (`_CALIBRATED`)."""
+    key = repr((run, rates))
+    if key in _CALIBRATED:
+        return _CALIBRATED[key]
+    lo, hi = 1e-6, 1e3
+
+    def tokens(factor: float) -> float:
+        return tokens_per_gpu(run.cfg, run.train, run.layout, rates.scaled(factor, ""))
+
+    if not tokens(lo) <= run.tokens_per_s <= tokens(hi):
+        raise ValueError(f"no compute rate predicts {run.tokens_per_s:,.0f} tokens/s per GPU for {run.source}: "
+                         f"from {tokens(lo):,.0f} to {tokens(hi):,.0f} between 1e-6 and 1000 times the rates given")
+    while hi / lo > 1 + 1e-6:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if tokens(mid) < run.tokens_per_s else (lo, mid)
+    _CALIBRATED[key] = math.sqrt(lo * hi)
+    return _CALIBRATED[key]
+
+
+_CALIBRATED: dict[str, float] = {}
 
 
 # ------------------------------------------------------------------------------------------- 7. the plan and the search
 
 ASSUMPTIONS = (
     "model state: fp32 master weights and gradients, AdamW's two fp32 moments (SGD: one); FSDP2 pads dim 0",
-    "activations: eager PyTorch, flash attention (no s x s scores), 1F1B keeps pp - s micro-batches on stage s; "
-    "compiled blocks keep what eager keeps, less the checkpointed outputs no backward reads",
+    "activations: eager PyTorch, flash attention (no s x s scores); a pipeline rank holds the micro-batches its "
+    "schedule's order has not yet freed; compiled blocks keep what eager keeps, less the checkpointed outputs no "
+    "backward reads",
     "memory: the largest of the loss's backward, a block's backward and the optimizer step, as the caching "
     "allocator counts it; reserved = allocated x (1 + the overhead of a published run); 2 GiB kept free for CUDA's "
     "context and NCCL",
     "time: matmuls at a measured rate by shape, attention at FlashAttention-2's published share, elementwise work at "
     "the measured copy rate; FSDP/DDP traffic hidden but one call per kind, TP, loss and pipeline traffic exposed; "
-    "1F1B bubble (pp-1)/(m+pp-1)",
+    "the bubble replayed from the schedule's order, every stage as long as this rank's",
+    "float8 (torchao, the blocks' linear layers, not the output head): their matmuls at the float8 datasheet peak x "
+    "the bf16 share; FSDP2 gathers their weights in 1 byte under tensorwise scaling; under tp a block's all-gathers "
+    "carry float8; each converted matmul's inputs and output gradients cast (FLOAT8_CAST_BYTES per element); "
+    "fp32 master weights stay; with checkpointing the same activations as bf16",
+    "async TP (torchtitan's; not in the recipe): the blocks' TP collectives overlap the matmuls they feed, "
+    "max(comm, matmul) + min(comm, matmul) / tp",
     "context parallel (cp.py's ring): each rank keeps seq_len/cp tokens' activations and the ring's q, k, v, output "
     "and log-sum-exp (selective checkpointing recomputes the ring whole); k, v and their gradients sent around "
     "the ring, the forward's shifts hidden, the backward's exposed; the ring's eager attention at the matmul rate "
-    "plus its score blocks at the memory rate; its backward buffers counted from cp.py, not measured",
+    "plus its score blocks at the memory rate; its backward buffers counted from cp.py, not measured; torch's "
+    "all-gather context parallel (torchtitan's): the keys and values gathered each pass, fused attention on the "
+    "rank's causal share",
     "mixture of experts (moe.py, dropless): parameters, activations and all-to-all bytes as moe.py keeps and sends "
     "them, under even routing (each expert k/E of the tokens; the bytes that leave a rank are (ep-1)/ep of those "
     "dispatched); under ep each rank holds its E/ep experts whole (fp32, outside FSDP2) and all-reduces their "
     "gradients over the dp/ep replicas once per step; all-to-alls exposed; MFU counts the active weights (router "
     "and k experts); the experts' backward temporaries and an uneven router's skew are not counted",
-    "not planned: float8, async TP, interleaved schedules (--pp-schedule interleaved, interleaved-zb: their "
-    "in-flight micro-batches come from torch's schedule, not a formula here), CPU offload",
+    "not planned: CPU offload; what zero bubble keeps past its weight gradients (the count is a floor there)",
 )
 
 
@@ -1083,15 +1471,16 @@ class Plan:
     communication: list[dict]  # rank 0's collectives per step
     time: dict | None          # the slowest stage's step, with tokens/s per GPU and MFU
     gpu: str | GPU | None = None
+    memory_factor: float = 1.0  # a measured run's peak over its plan's (`calibrated_rates`): applied to both figures
 
     @property
     def peak(self) -> float:
         """The largest allocated peak over the detailed ranks, in bytes."""
-        return max(r["memory"]["allocated"] for r in self.ranks)
+        return max(r["memory"]["allocated"] for r in self.ranks) * self.memory_factor
 
     @property
     def reserved(self) -> float:
-        return max(r["memory"]["reserved"] for r in self.ranks)
+        return max(r["memory"]["reserved"] for r in self.ranks) * self.memory_factor
 
     def command(self, script: str = "scripts/train/train.py", nodes: int = 1, **extra) -> str:
         return torchrun_command(self.cfg, self.train, self.layout, script, nodes, **extra)
@@ -1109,11 +1498,25 @@ def recipe_flags(train: Training, layout: Layout) -> dict:
     used = {k: v for k, v in (("cp", train.cp), ("ep", train.ep)) if v > 1}
     if train.moe_experts:
         used.update(moe_experts=train.moe_experts, moe_top_k=train.moe_top_k)
+    if layout.pp > 1 and train.pp_schedule != "1f1b":
+        used["pp_schedule"] = train.pp_schedule
+    if train.float8:
+        used["float8"] = train.float8
     return {"seq_len": train.seq_len, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
             "tp": layout.tp, "pp": layout.pp, **used, "accum": train.grad_accum,
             "batch": train.batch_size * data_ranks(layout, train) * train.grad_accum,
             "dtype": "fp32" if train.precision == "fp32" else "bf16", "ac": train.checkpointing,
             "compile": train.compile}
+
+
+
+
+def not_in_recipe(train: Training) -> list[str]:
+    """What a plan uses that the recipe does not build (the planner plans it, the torchrun line leaves it out)."""
+    return [what for what, used in (("async TP", train.async_tp),
+                                    ("torch's all-gather context parallel", train.cp_attention == "allgather"),
+                                    ("torchtitan's per-op checkpointing", train.checkpointing == TORCHTITAN_SELECTIVE))
+            if used]
 
 
 def check_layout(cfg: LlamaArgs, train: Training, layout: Layout) -> None:
@@ -1123,19 +1526,25 @@ def check_layout(cfg: LlamaArgs, train: Training, layout: Layout) -> None:
     if train.precision == "bf16-fsdp" and not layout.fsdp:
         raise ValueError(f"precision bf16-fsdp needs FSDP2, which {layout_name(layout)} does not apply (use "
                          "bf16-autocast)")
-    Job(**recipe_flags(train, layout), model_config=cfg).check()
+    ring = train.cp_attention == "ring"      # torch's all-gather context parallel: not cp.py's rules, its own
+    recipe_job(cfg, train if ring else dataclasses.replace(train, cp=1), layout).check(stages_per_rank=train.chunks)
+    if not ring and (layout.dp_shard % train.cp or train.seq_len % (2 * train.cp)):
+        raise ValueError(f"cp {train.cp} takes ranks of dp_shard {layout.dp_shard} and balances 2 x cp chunks of "
+                         f"each sequence of {train.seq_len}: one does not divide")
 
 
 def plan(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates | None = None,
-         ranks: list[int] | None = None, schedule: str = "1f1b", gpu: str | GPU | None = None) -> Plan:
+         ranks: list[int] | None = None, gpu: str | GPU | None = None) -> Plan:
     """Bytes per rank (model state, activations, the memory a GPU reports), rank 0's communication per step, and
     the step time of the slowest stage when `rates` are given (with tokens/s per GPU, and MFU against `gpu`'s
     datasheet). `ranks`: which ranks to detail (default: every rank; the ranks of one tp x dp_shard slice of each
     stage differ only by FSDP's uneven last shards)."""
     check_layout(cfg, train, layout)
+    if rates is not None and train.float8 and not rates.float8:
+        raise ValueError("float8 needs float8 matmuls (Hopper, Ada or later): these rates have none")
     rows = []
     for rank in (range(layout.world) if ranks is None else ranks):
-        mem = memory(cfg, train, layout, rank, schedule)
+        mem = memory(cfg, train, layout, rank)
         rows.append({"rank": rank, **coordinates(layout, rank), **mem["state"], "activations": mem["activations"],
                      "memory": mem})
     time = None
@@ -1146,7 +1555,9 @@ def plan(cfg: LlamaArgs, train: Training, layout: Layout, rates: Rates | None = 
         time["tokens_per_s_per_gpu"] = tokens / time["seconds"] / layout.world
         if gpu:
             device = GPUS[gpu] if isinstance(gpu, str) else gpu
-            peak = datasheet_flops(device.device, "fp32" if train.precision == "fp32" else "bf16")[0]
+            column = "fp32" if train.precision == "fp32" else "bf16"     # the recipe's Meter counts against it
+            peak = float8_datasheet_peak(device.device, column, float8_flop_share(cfg, train.seq_len, layout.tp))[0] \
+                if train.float8 else datasheet_flops(device.device, column)[0]
             flops = flops_per_token(cfg, train.seq_len, train.moe_experts, train.moe_top_k)
             time["mfu"] = time["tokens_per_s_per_gpu"] * flops / peak
     return Plan(cfg, train, layout, rows, communication(cfg, train, layout, 0), time, gpu)
@@ -1169,20 +1580,22 @@ def layouts(world: int) -> list[Layout]:
 
 def fitting_layouts(cfg: LlamaArgs, gpus: int, gpu: str | GPU, rates: Rates | None = None, *, seq_len: int,
                     global_batch: int, batch_size: int = 1, dtype: str = "bf16", checkpointing=CHECKPOINTING,
-                    compile: bool = True, max_tp: int | None = None, fixed: dict | None = None, cp: int = 1,
-                    moe_experts: int = 0, moe_top_k: int = 2, ep: int = 1) -> list[Plan]:
-    """The layouts of `gpus` GPUs `gpu` (a GPU, or a key of GPUS) and checkpointing modes whose reserved memory, with
-    NON_TORCH_BYTES beside it, fits the GPU, each at `global_batch` sequences per step of micro-batches of
-    `batch_size`, fastest estimate first (rates: `gpu_rates(gpu)` unless given).
+                    compile: bool = True, max_tp: int | None = None, fixed: dict | None = None,
+                    memory_factor: float = 1.0, **settings) -> list[Plan]:
+    """The layouts of `gpus` GPUs `gpu` (a GPU, or a key of GPUS) and checkpointing modes whose reserved memory
+    (times `memory_factor`), with NON_TORCH_BYTES beside it, fits the GPU, each at `global_batch` sequences per step
+    of micro-batches of `batch_size`, fastest estimate first (rates: `gpu_rates(gpu)` unless given).
 
     The accumulation follows from the layout: grad_accum = global_batch / (batch_size x data-parallel ranks, cp of
     which share a batch); layouts that cannot split the batch so, tp beyond one node (`max_tp`, default the node's
     GPUs), degrees other than `fixed` ({"tp": 8, ...}), or that the recipe refuses are left out. The precision is
-    what the recipe's --dtype gives there (`recipe_precision`); cp, moe_experts, moe_top_k, ep: `Training`'s.
+    what the recipe's --dtype gives there (`recipe_precision`); `settings`: Training's other fields (cp,
+    moe_experts, moe_top_k, ep, pp_schedule, float8, async_tp).
     """
     device = GPUS[gpu] if isinstance(gpu, str) else gpu
     rates = rates or gpu_rates(device, "fp32" if dtype == "fp32" else "bf16")
     max_tp = device.gpus_per_node if max_tp is None else max_tp
+    cp = settings.get("cp", 1)
     found = []
     for layout, ac in itertools.product(layouts(gpus), checkpointing):
         data = layout.dp // cp if layout.dp_shard % cp == 0 else 0
@@ -1190,14 +1603,14 @@ def fitting_layouts(cfg: LlamaArgs, gpus: int, gpu: str | GPU, rates: Rates | No
                 any(getattr(layout, k) != v for k, v in (fixed or {}).items()):
             continue
         train = Training(seq_len=seq_len, batch_size=batch_size, grad_accum=global_batch // (batch_size * data),
-                         precision=recipe_precision(dtype, layout), checkpointing=ac, compile=compile, cp=cp,
-                         moe_experts=moe_experts, moe_top_k=moe_top_k, ep=ep)
+                         precision=recipe_precision(dtype, layout), checkpointing=ac, compile=compile, **settings)
         try:
             check_layout(cfg, train, layout)
         except ValueError:
             continue
         # each stage's first rank: its FSDP shards are never the short ones, so its memory is its stage's largest
         p = plan(cfg, train, layout, rates, ranks=[s * layout.world // layout.pp for s in range(layout.pp)], gpu=gpu)
+        p.memory_factor = memory_factor
         if p.reserved + NON_TORCH_BYTES <= device.memory:
             found.append(p)
     return sorted(found, key=lambda p: (p.time["seconds"], p.reserved))
@@ -1283,15 +1696,80 @@ def model_of(args) -> tuple[LlamaArgs, int]:
     return model_shape(vars(args))
 
 
+def read_run_log(path: str | Path) -> tuple[MeasuredRun, dict]:
+    """A short run of the recipe, from the file its --metrics flag wrote (JSON lines): (the run as a MeasuredRun,
+    the run's own record: its flags, model, world size, device and the peak its MFU is against). The tokens/s is the
+    median of its log lines but the first (which holds the start-up: compilation, the allocator's warm-up); the
+    memory the largest of their peaks. ValueError (one line) for a file that is not such a log."""
+    records, header = [], None
+    try:
+        for line in Path(path).read_text().splitlines():
+            record = json.loads(line)
+            if "run" in record:
+                header, records = record["run"], []           # a resumed run starts its own record
+            elif "tokens_per_s" in record:
+                records.append(record)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--calibrate {path}: {str(e).splitlines()[0]}") from None
+    if header is None or len(records) < 2:
+        raise ValueError(f"--calibrate {path}: not a train.py --metrics file with two log lines or more (run it for "
+                         "a few --log-every intervals: the first line holds the start-up)")
+    f, cfg = header["flags"], LlamaArgs(**header["model"])
+    layout = Layout(f["dp_replicate"], f["dp_shard"], f["tp"], f["pp"])
+    dims = ParallelDims(*dataclasses.astuple(layout), f["cp"], f["ep"])
+    train = Training(seq_len=f["seq_len"], batch_size=f["batch"] // (dims.data_ranks * f["accum"]),
+                     grad_accum=f["accum"], precision=recipe_precision(f["dtype"], layout), checkpointing=f["ac"],
+                     compile=f["compile"], fused_rms_norm=header["device"] != "cpu", cp=f["cp"],
+                     moe_experts=f["moe_experts"], moe_top_k=f["moe_top_k"], ep=f["ep"],
+                     pp_schedule=f["pp_schedule"], float8=f.get("float8"))
+    later = records[1:]
+    reserved = [r["reserved_gib"] for r in later if r.get("reserved_gib") is not None]
+    run = MeasuredRun(cfg, train, layout, statistics.median(r["tokens_per_s"] for r in later) / header["world"],
+                      f"{path}: {header['world']} x {header['device']}, {layout_name(layout)}",
+                      max(r["peak_memory_gib"] for r in later) if header["device"] != "cpu" else None,
+                      max(reserved) if reserved else None)
+    return run, header
+
+
+def calibrated_rates(run: MeasuredRun, header: dict, gpu: GPU, dtype: str = "bf16") -> tuple[Rates, float, str]:
+    """(`gpu`'s rates with its compute rates at the share of the peak the measured run reached, the run's memory
+    over its plan's (1 where it measured no allocator), a line that says so).
+
+    The run's device rates: the GPU table's row of its name (its own `calibration` set aside), or on a CPU the
+    matmul rate it measured (its MFU's peak), no memory or link rate (its factor takes in all). `calibrate` solves
+    the factor on those at which the planner predicts the run; the share of the run's peak it makes carries to
+    `gpu`'s datasheet. The memory factor: the allocator's peak reserved (or allocated) against the plan's."""
+    device = header["device"]
+    here = next((g for g in GPUS.values() if g.device == device), None)
+    if here is not None:
+        base = gpu_rates(dataclasses.replace(here, calibration=None), dtype)
+    elif device == "cpu":
+        peak = header["peak_flops"]
+        base = Rates(peak, peak, math.inf, math.inf, math.inf, 0.0, run.layout.world, 0, ("measured on the CPU",))
+    else:
+        base = gpu_rates(dataclasses.replace(gpu, calibration=None), dtype)    # a GPU the table lacks: as `gpu`
+    share = calibrate(run, base) * base.matmul / header["peak_flops"]
+    target = gpu_rates(dataclasses.replace(gpu, calibration=None), dtype)
+    peak = datasheet_flops(gpu.device, "fp32" if dtype == "fp32" else "bf16")[0]
+    rates = target.scaled(share * peak / target.matmul, f"the share of the peak ({share:.1%}) {run.source} reached")
+    planned = plan(run.cfg, run.train, run.layout, ranks=[s * run.layout.world // run.layout.pp
+                                                          for s in range(run.layout.pp)])
+    measured = (run.reserved_gib, planned.reserved) if run.reserved_gib else (run.allocated_gib, planned.peak)
+    factor = measured[0] * GIB / measured[1] if measured[0] else 1.0
+    line = f"calibrated from {run.source}: {run.tokens_per_s:,.0f} tokens/s per GPU, {share:.1%} of its peak in " \
+        "the planner's terms; memory " + (
+            f"{measured[0]:.2f} GiB measured against {measured[1] / GIB:.2f} GiB planned: x {factor:.3f} on every "
+            "plan" if measured[0] else "not corrected (a CPU's resident set is no allocator's peak)")
+    return rates, factor, line
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = parser("plan", __doc__.split("\n\n")[0], choices={"gpu": sorted(GPUS)},
-                     epilog="Not planned (asked for, it is refused with a line that says so): float8 (--float8).")
+    p = parser("plan", __doc__.split("\n\n")[0], choices={"gpu": sorted(GPUS), "pp_schedule": tuple(SCHEDULES)})
     args = p.parse_args(argv)
     fixed = {k: getattr(args, k) for k in MESH_DIMS if getattr(args, k)}
     compiled = not (args.cp > 1 or args.moe_experts) if args.compile is None else args.compile  # ring, experts: eager
+    batch, gpu = args.batch or args.gpus, GPUS[args.gpu]
     try:
-        if args.float8:
-            raise ValueError("not planned: float8 (--float8) (the recipe has none; see ASSUMPTIONS)")
         at_least(vars(args))
         cfg, seq_len = model_of(args)
         # the recipe's rules at the fixed degrees, the rest at 1 (cp and ep out of the smallest dp_shard they fit)
@@ -1299,13 +1777,19 @@ def main(argv: list[str] | None = None) -> None:
                             fixed.get("tp", 1), fixed.get("pp", 1), args.cp, args.ep)
         Job(**dataclasses.asdict(dims), model_config=cfg, init_from=args.init_from, seq_len=seq_len,
             moe_experts=args.moe_experts, moe_top_k=args.moe_top_k, compile=compiled, accum=dims.pp,
-            batch=dims.data_ranks * dims.pp).check()
+            batch=dims.data_ranks * dims.pp, pp_schedule=args.pp_schedule).check(stages_per_rank=SCHEDULES[
+                args.pp_schedule])
+        if args.float8 and (args.dtype == "fp32" or not hardware_peak(gpu.device, FLOAT8_DTYPE)):
+            raise ValueError(f"--float8 needs --dtype bf16 and a GPU with float8 matmuls; {args.gpu} has none"
+                             if args.dtype != "fp32" else "--float8 trains in bf16: drop --dtype fp32")
+        rates = gpu_rates(gpu, args.dtype, args.matmul_tflops * 1e12 if args.matmul_tflops else None)
+        memory_factor, calibrated = 1.0, None
+        if args.calibrate:
+            rates, memory_factor, calibrated = calibrated_rates(*read_run_log(args.calibrate), gpu, args.dtype)
     except ValueError as e:
         p.error(str(e))
     if fixed and args.gpus % math.prod(fixed.values()):
         p.error(f"the fixed degrees ({math.prod(fixed.values())} GPUs) do not divide --gpus {args.gpus}")
-    batch, gpu = args.batch or args.gpus, GPUS[args.gpu]
-    rates = gpu_rates(gpu, args.dtype, args.matmul_tflops * 1e12 if args.matmul_tflops else None)
     dp_options = {l.dp // args.cp for l in layouts(args.gpus) if all(getattr(l, k) == v for k, v in fixed.items())
                   and l.dp_shard % math.lcm(args.cp, args.ep) == 0}
     if not dp_options:
@@ -1315,8 +1799,11 @@ def main(argv: list[str] | None = None) -> None:
                       f"data-parallel ranks of any layout of {args.gpus} GPUs ({sorted(dp_options)})")
     fits = fitting_layouts(cfg, args.gpus, args.gpu, rates, seq_len=seq_len, global_batch=batch,
                            batch_size=args.micro_batch, dtype=args.dtype, checkpointing=tuple(args.ac), fixed=fixed,
-                           compile=compiled, cp=args.cp, moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
-                           ep=args.ep)
+                           compile=compiled, memory_factor=memory_factor, cp=args.cp, moe_experts=args.moe_experts,
+                           moe_top_k=args.moe_top_k, ep=args.ep, pp_schedule=args.pp_schedule, float8=args.float8,
+                           async_tp=args.async_tp)
+    if calibrated:
+        print(calibrated)
     print_plans(cfg, args, seq_len, batch, gpu, rates, fits)
 
 
@@ -1348,6 +1835,9 @@ def print_plans(cfg: LlamaArgs, args, seq_len: int, batch: int, gpu: GPU, rates:
         print(f"{'':>8}collectives per step (rank 0, per call x calls): {collectives_line(p.communication)}")
     nodes = args.gpus // gpu.gpus_per_node if args.gpus > gpu.gpus_per_node and not args.gpus % gpu.gpus_per_node else 1
     print("the best, as the recipe runs it:\n$ " + fits[0].command(nodes=nodes, init_from=args.init_from))
+    missing = not_in_recipe(fits[0].train)
+    if missing:
+        print(f"planned but not in that line: {', '.join(missing)} (the recipe does not build it)")
 
 if __name__ == "__main__":
     main()

@@ -491,11 +491,14 @@ def run_steps(trainer: Trainer, checkpointer, meter: Meter, observers: Observers
         if job.metrics or logged:                          # collective: every rank takes part
             mean_loss, norm_value = trainer.global_mean(loss), norm.item()
             lr = trainer.scheduler.get_last_lr()[0]
-            write_metrics(metrics, step=step, loss=mean_loss, lr=lr, grad_norm=norm_value)
         if logged:
             meter.report(rank, step, mean_loss, lr, norm_value)
             observers.scalars(step, loss=mean_loss, lr=lr, grad_norm=norm_value, tokens_per_s=meter.tokens_per_s,
                               mfu=meter.mfu, peak_memory_gib=meter.memory_gib, reserved_gib=meter.reserved_gib)
+        if job.metrics or logged:                          # the log line's figures too: plan.py --calibrate reads them
+            write_metrics(metrics, step=step, loss=mean_loss, lr=lr, grad_norm=norm_value, **(dict(
+                tokens_per_s=meter.tokens_per_s, mfu=meter.mfu, peak_memory_gib=meter.memory_gib,
+                reserved_gib=meter.reserved_gib) if logged else {}))
         if job.eval_every and step % job.eval_every == 0 and step < job.steps:
             with meter.set_aside("eval"):
                 eval_loss = trainer.evaluate()
@@ -542,6 +545,9 @@ def train(device: torch.device, job: Job) -> dict:
     if checkpointer and checkpointer.others:
         log(rank, f"left alone in {job.ckpt_dir}: {' '.join(p.name for p in checkpointer.others)} (another job's)")
     metrics = open_metrics(job.metrics, trainer.state.step) if job.metrics and rank == 0 else None
+    write_metrics(metrics, step=trainer.state.step, run={   # what the run is: plan.py --calibrate plans from it
+        "flags": job.flags(), "model": dataclasses.asdict(cfg), "world": world, "device": torch.cuda.get_device_name(
+            device) if device.type == "cuda" else device.type, "peak_flops": meter.peak / world})
     started = meter.restart()
     try:
         eval_loss, stopped = run_steps(trainer, checkpointer, meter, observers, stop, metrics)
