@@ -5,7 +5,8 @@ Why a module: notebook 10 shows the table and tests/planner/test_plan.py holds t
 row's settings onto the planner live once. A row becomes a model config, a layout, a Training and a GPU, and the
 planner (scripts/train/plan.py, passed in as `P`) does the rest. One number is fitted, and it is the planner's own:
 the H100s at 500 W have no datasheet rate, so plan.py solves their compute rate from one of these rows
-(`P.GPUS[H100].calibration`); that row's tokens/s is the calibration, not a prediction (`counted`).
+(`P.GPUS[H100].calibration`); that row's tokens/s is the calibration, not a prediction (`calibrates`), and
+every other figure a row publishes is counted (`summary`).
 
 What a row states, and where a setting comes from when the table does not say it: the sequence length, the
 compile flag and the norm of the run are those of the training configs (`train_configs/*.toml`) at the commit the
@@ -149,21 +150,14 @@ def calibrates(P, row: dict) -> bool:
         (run.cfg, run.train, run.layout) == planner_inputs(P, row)[:3]
 
 
-def counted(P, row: dict, kind: str) -> bool:
-    """Whether a row's `kind` ("memory", "tokens") counts toward the goal: every figure the row publishes, but the
-    tokens/s of the row a GPU's rate is solved from."""
-    if not row["memory_gib" if kind == "memory" else "tokens_per_s"]:
-        return False
-    return kind == "memory" or not calibrates(P, row)
-
-
 def summary(P, rows: list[dict], predictions: list[dict]) -> dict:
-    """Per kind, over the rows that count: how many, the median ratio, the worst (farthest from 1), how many are
-    within the goal, and the rows that miss it (their labels)."""
+    """Per kind, over every figure the rows publish but the one a GPU's rate is solved from (`calibrates`: its
+    tokens/s): how many, the median ratio, the worst (farthest from 1), how many are within the goal, and the rows
+    that miss it, as (table, label, kind): MISSES says why."""
     out = {}
     for kind in ("memory", "tokens"):
-        pairs = [(r, p[f"{kind}_ratio"]) for r, p in zip(rows, predictions) if counted(P, r, kind)]
-        # the rows that miss, by (table, label, kind): MISSES says why
+        pairs = [(r, p[f"{kind}_ratio"]) for r, p in zip(rows, predictions)
+                 if f"{kind}_ratio" in p and not (kind == "tokens" and calibrates(P, r))]
         ratios = [x for _, x in pairs]
         out[kind] = {"rows": len(ratios), "median": statistics.median(ratios),
                      "worst": max(ratios, key=lambda x: abs(x - 1)),

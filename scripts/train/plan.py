@@ -33,9 +33,10 @@ experts (--moe-experts, --ep) sit in the sections they extend:
 
 What the recipe takes and refuses, and what a model counts, is its job spec's (job.py: the flags, the rules, the
 parameter and FLOP counts), imported here, so a plan is checked by the rules train.py runs and printed with its flags.
-Imports the standard library, config.py and job.py (both torch-free; their names a notebook needs, such as
-`preset` and `Layout`, are reachable here too), the recipe's hardware.py where a time is asked for, and torch only
-in `count_parameters`: copy it with the recipe.
+Imports the standard library, config.py, job.py and float8.py's shape rules (all torch-free; the names a notebook
+needs, such as `preset` and `Layout`, are reachable here too), the recipe's hardware.py where a time is asked for,
+pipeline.py (and with it torch) where a pipeline's bubble is, and torch in `count_parameters`: copy it with the
+recipe.
 Conventions:
 - bytes are per rank; "held" counts the rank's own elements (a DTensor's local shard), "allocated" the storages
   behind them (FSDP2 keeps parameters and gradients in buffers padded to ceil(dim0 / N) rows on every rank);

@@ -412,7 +412,7 @@ PREDICTIONS = {id(row): published_runs.predict(P, row) for row in published_runs
 def test_published_run(row):
     got = PREDICTIONS[id(row)]
     for kind in ("memory", "tokens"):
-        if published_runs.counted(P, row, kind):
+        if f"{kind}_ratio" in got and not (kind == "tokens" and published_runs.calibrates(P, row)):
             within = abs(got[f"{kind}_ratio"] - 1) <= published_runs.GOAL[kind]
             assert within != ((row["table"], row["label"], kind) in published_runs.MISSES), (kind, got)
     if published_runs.calibrates(P, row):
@@ -425,8 +425,7 @@ def test_one_published_row_calibrates_and_every_other_figure_counts():
     assert len(rows) == 29 and sum(published_runs.calibrates(P, r) for r in rows) == 1
     assert stats["tokens"]["rows"] == 28 and stats["memory"]["rows"] == sum(bool(r["memory_gib"]) for r in rows) == 18
     for kind in ("memory", "tokens"):
-        s = stats[kind]
-        assert s["within_goal"] == s["rows"] - len(s["missed"]) >= s["rows"] - 1, (kind, s)
+        assert len(stats[kind]["missed"]) <= 1, (kind, stats[kind])
     missed = {m for kind in stats for m in stats[kind]["missed"]}
     assert missed == set(published_runs.MISSES), "each miss has its reason"
     assert not published_runs.predict(P, published_runs.OOM_ROW)["fits"], "the published out-of-memory run"
