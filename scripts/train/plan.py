@@ -53,6 +53,8 @@ Conventions:
   allocator where there is one) and against torchtitan's published runs, tests/planner/test_plan.py against hand-worked
   cases, published formulas and the same published runs.
 """
+
+
 from __future__ import annotations
 
 import dataclasses
