@@ -14,7 +14,8 @@ file names (docs/performance.md: its own commit; the benchmark: torchtitan 9dec3
 torchtitan's "selective op" checkpointing is its per-op policy (`TORCHTITAN_SELECTIVE`), "selective layer" every
 other block (the recipe's "alternate"). Float8 is tensorwise (the only scaling at torchao eab345c), with FSDP2's
 float8 all-gather (the 405B config turns it on); context parallel is torch's, on all-gathered keys and values
-(torchtitan's default rotate method); a pipeline has as many micro-batches as stages (torchtitan's default), two
+(torchtitan's default rotate method); the loss is F.cross_entropy on a float32 copy of the logits (torchtitan's
+train.py), not the recipe's chunked one; a pipeline has as many micro-batches as stages (torchtitan's default), two
 stages per rank when interleaved.
 """
 from __future__ import annotations
@@ -105,7 +106,7 @@ def planner_inputs(P, row: dict):
     train = P.Training(seq_len=seq, batch_size=row["batch"] // micro, grad_accum=micro, precision="bf16-fsdp",
                        checkpointing=ac, compile=row["compile"], float8="tensorwise" if row["float8"] else None,
                        async_tp=row["async_tp"], cp=row["cp"], cp_attention="allgather" if row["cp"] > 1 else "ring",
-                       pp_schedule=row.get("schedule", "1f1b"))
+                       pp_schedule=row.get("schedule", "1f1b"), loss="float32")
     return cfg, train, layout, row["gpu"]
 
 

@@ -82,6 +82,9 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "interleaved-zb": 2}
 # Context parallel attention: the recipe's cp.py ring (eager block matmuls), or torch's context_parallel as torchtitan
 # runs it (each rank all-gathers the keys and values and runs fused attention on its queries)
 CP_ATTENTION = ("ring", "allgather")
+# The loss: the recipe's ChunkedCrossEntropy (model.py: it keeps the logits as they are and a float32 log-sum-exp per
+# token), or F.cross_entropy on a float32 copy of the logits (torchtitan's; the recipe's too under tp's loss_parallel)
+LOSSES = ("chunked", "float32")
 # torchtitan's per-op policy: like the recipe's "selective" (keep matmul and attention outputs, recompute the rest),
 # but every second matmul of a block is recomputed too, and a reduce-scatter's output is kept
 TORCHTITAN_SELECTIVE = "selective-torchtitan"
@@ -115,12 +118,13 @@ class Training:
     float8: str | None = None    # the blocks' linear layers in float8 (torchao): "tensorwise" or "rowwise"
     async_tp: bool = False       # TP's collectives overlapped with the matmuls they feed (not built by the recipe)
     cp_attention: str = "ring"   # CP_ATTENTION
+    loss: str = "chunked"        # LOSSES
 
     def __post_init__(self):
         at_least({"cp": self.cp, "ep": self.ep, "moe_experts": self.moe_experts, "moe_top_k": self.moe_top_k})
         for name, value, allowed in (("pp_schedule", self.pp_schedule, tuple(SCHEDULES)),
                                      ("float8", self.float8, RECIPES + (None,)),
-                                     ("cp_attention", self.cp_attention, CP_ATTENTION)):
+                                     ("cp_attention", self.cp_attention, CP_ATTENTION), ("loss", self.loss, LOSSES)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, not {value!r}")
         if self.optimizer not in OPTIMIZERS:
@@ -175,7 +179,8 @@ class MeasuredRun:
 # the share of the datasheet that predicts it (`calibrate`), and every other published row is held against that.
 H100_500W_RUN = MeasuredRun(
     preset("llama3-8b", max_seq_len=8192),
-    Training(seq_len=8192, batch_size=2, precision="bf16-fsdp", checkpointing="selective-torchtitan", compile=True),
+    Training(seq_len=8192, batch_size=2, precision="bf16-fsdp", checkpointing="selective-torchtitan", compile=True,
+             loss="float32"),
     Layout(dp_shard=8), 6667, "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1, FSDP + "
     "torch.compile: Llama 3.1 8B on 8 H100s at 500 W, local batch 2 x 8192, per-op selective checkpointing",
     reserved_gib=77.0)
@@ -588,18 +593,36 @@ def moe_statistics_bytes(train: Training) -> int:
 
 def head_activations(cfg: LlamaArgs, train: Training, tp: int) -> dict[str, float]:
     """Bytes kept outside the blocks for one micro-batch on the last stage: the final norm's input, the output
-    projection's (gathered) input, the loss's fp32 log-probabilities over the vocabulary (split by tp under loss
-    parallelism) and its int64 targets."""
+    projection's (gathered) input, what the loss keeps (`loss_bytes`) and its int64 targets."""
     b = _dtype_bytes(train.precision)
     n = rank_tokens(train)
-    d, v = cfg.dim, cfg.vocab_size
+    d = cfg.dim
     norm = (n * d * b["residual"] if train.fused_rms_norm else 2 * n * d * 4) / tp
     return {
         "final norm input": norm + n * 4 / tp,
         "output projection input, gathered": n * d * b["matmul"],
-        "log-probabilities (fp32)": n * v * 4 / tp,
+        **loss_bytes(cfg, train, tp)["kept"],
         "targets": n * 8,
     }
+
+
+def loss_bytes(cfg: LlamaArgs, train: Training, tp: int) -> dict:
+    """What the loss of one micro-batch keeps for backward ('kept', by tensor) and what its backward adds
+    ('backward'). model.py's ChunkedCrossEntropy (tp 1): the logits as they are and a float32 log-sum-exp per token;
+    its backward writes the logits' gradient and holds one chunk's float32 softmax (model.LOSS_CHUNK_BYTES: imported
+    here, with torch). F.cross_entropy on a float32 copy (`Training.loss` "float32", and the recipe under tp's
+    loss_parallel, the vocabulary split by tp): the float32 log-probabilities, and in backward two more float32
+    tensors of the vocabulary (the gradient nll_loss hands back, log_softmax's gradient of the logits)."""
+    n, v = rank_tokens(train), cfg.vocab_size
+    if train.loss == "float32" or tp > 1:
+        logprobs = n * v * 4 / tp
+        return {"kept": {"log-probabilities (fp32)": logprobs}, "backward": 2 * logprobs}
+    from model import LOSS_CHUNK_BYTES
+
+    rows = min(n, max(1, LOSS_CHUNK_BYTES // (4 * v)))
+    logits = n * v * _dtype_bytes(train.precision)["matmul"]
+    return {"kept": {"logits (the chunked loss keeps them)": logits, "log-sum-exp per token (fp32)": n * 4},
+            "backward": logits + rows * v * 4}
 
 
 def embedding_activations(train: Training) -> dict[str, float]:
@@ -867,9 +890,9 @@ def memory(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> dict:
     buffers, one per micro-batch for the hidden states it receives (all but the first stage) and one for their
     gradients (all but the last), made once by torch's PipelineStage (`_setup_forward_recv_info`). Gathered float8
     weights (tensorwise, FSDP2's float8 all-gather) take 1 byte each. Then the largest of:
-    - the loss's backward (last stage): every kept activation, and beside the fp32 log-probabilities two more fp32
-      tensors of the vocabulary (the gradient `nll_loss` hands back, and `log_softmax`'s gradient of the logits):
-      eager `log_softmax` backward holds three at once;
+    - the loss's backward (last stage): every kept activation and what the loss's backward adds (`loss_bytes`:
+      the logits' gradient and one chunk's float32 softmax, or beside a float32 copy's log-probabilities two more
+      float32 tensors of the vocabulary);
     - a block's backward: the kept activations, the block recomputed (when checkpointed), two blocks' gathered
       parameters (FSDP2 prefetches one ahead), and the block's gradients in the compute dtype beside their fp32
       copy for the reduce-scatter;
@@ -901,15 +924,15 @@ def memory(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> dict:
         held["FSDP gathered parameters (whole stage)"] = whole * gathered_bytes / gathered
         held["FSDP unsharded gradients (whole stage)"] = whole * b["gathered"]
     grads = state["allocated"]["gradients"] if train.grad_accum > 1 or layout.pp > 1 else 0.0
-    logprobs = n * cfg.vocab_size * 4 / tp if last else 0.0
+    loss = loss_bytes(cfg, train, tp) if last else {"kept": {}, "backward": 0.0}
     block = 2 * gathered_bytes + gathered * (b["matmul"] + b["reduce"]) if layout.fsdp and layout.pp == 1 else 0.0
     ring = 0.0 if train.cp == 1 else ring_backward_buffers(cfg, train) if train.cp_attention == "ring" else \
         cp_allgather_buffers(cfg, train, tp)
-    phases = {"a block's backward": grads + act["kept"] - logprobs + act["recompute"] + block + ring,
+    phases = {"a block's backward": grads + act["kept"] - sum(loss["kept"].values()) + act["recompute"] + block + ring,
               "optimizer step": state["allocated"]["gradients"]
               + (4 * state["elements"] if train.optimizer == "adamw" else 0)}
     if last:
-        phases["the loss's backward"] = grads + act["kept"] + 2 * logprobs
+        phases["the loss's backward"] = grads + act["kept"] + loss["backward"]
     phase = max(phases, key=phases.get)
     allocated = sum(held.values()) + phases[phase]
     return {"allocated": allocated, "reserved": allocated * (1 + allocator_overhead(train.checkpointing)),
@@ -1518,6 +1541,7 @@ def not_in_recipe(train: Training) -> list[str]:
     """What a plan uses that the recipe does not build (the planner plans it, the torchrun line leaves it out)."""
     return [what for what, used in (("async TP", train.async_tp),
                                     ("torch's all-gather context parallel", train.cp_attention == "allgather"),
+                                    ("the loss on a float32 copy of the logits", train.loss == "float32"),
                                     ("torchtitan's per-op checkpointing", train.checkpointing == TORCHTITAN_SELECTIVE))
             if used]
 

@@ -212,18 +212,19 @@ def _forward_bytes(cfg, precision, checkpointing, batch, seq):
 @pytest.mark.parametrize("checkpointing", ["none", "full", "alternate", "selective", P.TORCHTITAN_SELECTIVE])
 def test_activation_formula_is_what_a_forward_keeps(precision, checkpointing):
     # On the CPU (composite RMSNorm): after one forward and its loss, the tensors it made and that are still alive
-    # are the plan's kept activations plus the loss and its scalar total weight (8 bytes): the blocks' saved
-    # tensors (or the checkpoints' inputs, or a selective policy's saved outputs), the head's, the token ids, and
-    # under autocast the bf16 weight copies its cache holds whatever the checkpointing. Without checkpointing
-    # autograd saves exactly that (the casts included, the loss not) and the rotary tables' storage (a buffer).
+    # are the plan's kept activations plus the loss (fp32, 4 bytes) and the count of targets its mean divides by
+    # (int64, 8): the blocks' saved tensors (or the checkpoints' inputs, or a selective policy's saved outputs), the
+    # head's, the token ids, and under autocast the bf16 weight copies its cache holds whatever the checkpointing.
+    # Without checkpointing autograd saves exactly that (the casts included, the loss not, the count for the
+    # division's backward) and the rotary tables' storage (a buffer).
     cfg = P.replace(TINY, n_layers=4, max_seq_len=32)
     train = P.Training(seq_len=32, batch_size=2, precision=precision, checkpointing=checkpointing,
                        fused_rms_norm=False)
     alive, saved, _ = _forward_bytes(cfg, precision, checkpointing, 2, 32)
     act = P.activations(cfg, train, P.Layout(), 0)
-    assert alive == act["kept"] + 8
+    assert alive == act["kept"] + 4 + 8
     if checkpointing == "none":
-        assert saved == act["kept"] + act["buffers_saved"] + 4
+        assert saved == act["kept"] + act["buffers_saved"] + 8
     else:
         assert act["recompute"] > 0
 
