@@ -1040,20 +1040,24 @@ def _recomputed(cfg: LlamaArgs, train: Training, blocks: list[int], elements: in
 
 def ring_sends(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> list[dict]:
     """cp.py's ring per block and micro-batch, as RingAttention sends it (batch_isend_irecv: each rank sends one
-    message to the next and receives one): forward, cp - 1 shifts of this rank's k and v stacked; backward, cp - 1
-    shifts of k, v, dk, dv and a last one of dk, dv home; a checkpointed block's recomputed forward, its cp - 1
-    again. Keys and values travel at n_kv_heads heads. The forward's shifts overlap its block compute (started
+    message to the next and receives one per tensor): forward, cp - 1 shifts of this rank's k and v stacked;
+    backward, cp - 1 shifts of k, v and, beside them, of dk, dv in float32 (the ring's statistics' dtype), and a
+    last one of dk, dv home; a checkpointed block's recomputed forward, its cp - 1 again. Keys and values travel at
+    n_kv_heads heads. The forward's shifts overlap its block compute (started
     before, waited after); the backward waits on each shift at once (`step_time` counts those exposed)."""
     blocks = list(stage_layers(cfg.n_layers, layout.pp, coordinates(layout, rank)["pp"]))
     mat, cp, micro = _dtype_bytes(train.precision)["matmul"], train.cp, train.grad_accum
-    kv = rank_tokens(train) * cfg.n_kv_heads * cfg.head_dim * mat          # one rank's k (or v), bytes
+    elements = rank_tokens(train) * cfg.n_kv_heads * cfg.head_dim     # one rank's k (or v)
+    kv, grads = elements * mat, elements * 4
     again = len(checkpointed_blocks(cfg, train, blocks))
     return (_collective("context-parallel ring, forward (k, v)", "send", "cp", cp, micro * len(blocks) * (cp - 1),
                         micro * len(blocks) * (cp - 1) * 2 * kv, mat)
             + _collective("context-parallel ring, recomputed forward", "send", "cp", cp, micro * again * (cp - 1),
                           micro * again * (cp - 1) * 2 * kv, mat)
-            + _collective("context-parallel ring, backward (k, v, dk, dv)", "send", "cp", cp,
-                          micro * len(blocks) * cp, micro * len(blocks) * ((cp - 1) * 4 + 2) * kv, mat))
+            + _collective("context-parallel ring, backward (k, v)", "send", "cp", cp, micro * len(blocks) * (cp - 1),
+                          micro * len(blocks) * (cp - 1) * 2 * kv, mat)
+            + _collective("context-parallel ring, backward (dk, dv in float32)", "send", "cp", cp,
+                          micro * len(blocks) * cp, micro * len(blocks) * cp * 2 * grads, 4))
 
 
 def cp_allgather_collectives(cfg: LlamaArgs, train: Training, layout: Layout, rank: int) -> list[dict]:
