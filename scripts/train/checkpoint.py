@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 CONFIG_FILE = "config.json"
@@ -47,14 +47,18 @@ CONFIG_FILE = "config.json"
 
 class TrainState(Stateful):
     """What a resumed run needs; DCP calls state_dict() when saving and load_state_dict() after loading. With a
-    pipeline, `model` is this rank's stage (its parameters keep the whole model's names)."""
+    pipeline, `model` is this rank's stages (their parameters keep the whole model's names). The optimizer's state
+    is flattened: each parameter's settings under its own name (`param_groups.<name>.lr`). Unflattened, the groups
+    are a list keyed by position, the same keys on every pipeline stage; DCP writes such a key once, so the other
+    stages would load one stage's groups and lose their own."""
 
     def __init__(self, model, optimizer, scheduler, loader):
         self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
         self.step = 0
 
     def state_dict(self) -> dict:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)   # DTensor pieces where sharded
+        model_state, optim_state = get_state_dict(       # DTensor pieces where sharded
+            self.model, self.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
         return {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict(),
                 "loader": json.dumps(self.loader.state_dict()), "step": self.step}
 

@@ -16,6 +16,8 @@ fixture runs them all, a few at a time, with selftest's runner):
 - a model with dropout (a wrapper adds it) stopped by SIGTERM, with the ranks agreeing every 2 steps, saves within
   one interval and exits 0; resumed, it matches the uninterrupted run bit for bit: each rank's generator travels
   with the checkpoint;
+- an interleaved pipeline under FSDP2 (4 ranks), resumed from its step-2 checkpoint, takes steps 3 and 4 bit for bit
+  as the run that went on: its checkpoint holds every stage's optimizer groups;
 - the checkpoint exported to Hugging Face's format opens with `LlamaForCausalLM.from_pretrained` and gives the
   recipe's logits; `--init-from` that folder at another layout (tensor parallel) starts from exactly those weights;
   generate.py writes text from the checkpoint and from the folder alike, with and without its key/value cache;
@@ -55,6 +57,7 @@ PROMPT = "The with statement"
 LLAMA3 = "Llama-3.2-download"     # tests/recipe/user_folders.py's Llama 3.2 folder, in the project
 LAYERS4 = ["--n-layers", "4", "--accum", "4"]   # 4 stages of one block each for the two-stages-per-rank schedules
 MOE = ["--moe-experts", "4", "--moe-top-k", "2"]
+PP_FSDP = [*LAYERS4, "--pp", "2", "--dp-shard", "2", "--pp-schedule", "interleaved"]     # 4 ranks
 # What a user's edit might add: dropout after each block's feed-forward (train.py run through this wrapper)
 DROPOUT = """import torch.nn.functional as F
 import model
@@ -204,6 +207,10 @@ def runs4(workspace) -> dict[str, Result]:
         Run("hsdp", ["--dp-replicate", "2", "--dp-shard", "2"], 4),
         Run("fsdp_tp", ["--tp", "2"], 4),
         Run("pp_tp", ["--pp", "2", "--tp", "2", "--accum", "2"], 4),
+        # two stages per rank, each sharded by FSDP2: saved at step 2 and on to 4; resumed from a copy of step 2
+        Run("pp_fsdp", [*PP_FSDP, "--ckpt-dir", "ck_pp_fsdp", "--save-every", "2"], 4),
+        Run("pp_fsdp_resumed", [*PP_FSDP, "--ckpt-dir", "ck_pp_fsdp_resumed"], 4, after=("pp_fsdp",),
+            before=selftest.copy_checkpoint("ck_pp_fsdp", 2, "ck_pp_fsdp_resumed")),
     ], PARALLEL, ["tokens.bin"])
 
 
@@ -277,6 +284,20 @@ def test_a_layout_of_two_ranks_matches_one_process(runs, layout):
 def test_a_layout_of_four_ranks_matches_one_process(runs, runs4, layout):
     _assert_clean(runs4[layout], layout)
     _assert_same_losses(runs4[layout], runs["one"], layout)
+
+
+@pytest.mark.four_ranks
+def test_an_interleaved_pipeline_with_fsdp2_resumes_bit_for_bit(runs4):
+    """Each rank's two stages, sharded by FSDP2, save one checkpoint: every stage's optimizer groups are in it
+    under their parameters' names, so the run resumed from step 2 takes steps 3 and 4 exactly as the run that went
+    on (loaded, a stage's groups went missing: AdamW's step failed on their lost hyperparameters)."""
+    saved, resumed = runs4["pp_fsdp"], runs4["pp_fsdp_resumed"]
+    _assert_clean(saved, "pp_fsdp")
+    _assert_clean(resumed, "pp_fsdp_resumed")
+    assert "resumed from ck_pp_fsdp_resumed/step_00000002" in resumed.stdout, resumed.stdout
+    assert sorted(saved.losses()) == [1, 2, 3, 4] and sorted(resumed.losses()) == [3, 4], resumed.metrics
+    assert resumed.losses() == {step: saved.losses()[step] for step in (3, 4)}
+    assert resumed.final_eval() == saved.final_eval()
 
 
 @pytest.mark.parametrize("layout", ["pp_interleaved", "pp_zero_bubble"])
