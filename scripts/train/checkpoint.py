@@ -203,7 +203,9 @@ def agreed_latest(root: str | Path) -> Path | None:
     """The checkpoint to resume from, the same on every rank (collective): rank 0 picks the newest committed one it
     sees and every rank checks that it sees that one too. Each rank picking alone, ranks whose views of the
     directory differ (a network file system's caches, disks that are not shared) would load different steps, or
-    some none, then diverge or hang. CheckpointError, on every rank, when some rank cannot see rank 0's pick."""
+    some none, then diverge or hang. CheckpointError, on every rank, when some rank cannot see rank 0's pick, or
+    when the pick keeps the optimizer's groups by position (the recipe's saves before TrainState flattened them:
+    one pipeline stage's groups only)."""
     pick = [latest(root) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(pick, src=0)
     if pick[0] is None:
@@ -216,6 +218,9 @@ def agreed_latest(root: str | Path) -> Path | None:
         raise CheckpointError(f"rank 0 resumes from {path}, which rank{'s' * (len(blind) > 1)} "
                               f"{', '.join(map(str, blind))} cannot see: --ckpt-dir must be one storage every rank "
                               "reads alike")
+    if "train.optim.param_groups.0.params" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+        raise CheckpointError(f"{path} keeps the optimizer's groups by position (an older recipe's save): resume it "
+                              "with the recipe that wrote it, or start in a new --ckpt-dir")
     return path
 
 

@@ -294,3 +294,39 @@ def test_every_rank_loads_rank_0s_pick_or_all_refuse_in_one_line(tmp_path):
     older = launch(_views_of_one_directory, str(tmp_path / "b"), (2,), world_size=2, timeout=60, env=env)
     assert all("step_00000004, which rank 1 cannot see" in r["error"] for r in older), older
     assert all(len(r["error"].splitlines()) == 1 for r in older), "every rank refuses, in one line"
+
+
+def _resume_a_save_with_groups_by_position(base):
+    """One gloo rank: a committed checkpoint whose optimizer groups are a list (the recipe's saves before TrainState
+    flattened them), then load_latest."""
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import checkpoint
+
+    dist.init_process_group("gloo")
+    try:
+        groups = [{"params": [0], "lr": 1e-3, "betas": (0.9, 0.95)}]
+        dcp.save({"train": {"optim": {"state": {0: {"exp_avg": torch.zeros(4)}}, "param_groups": groups}}},
+                 checkpoint_id=checkpoint.staging_dir(Path(base), 2), no_dist=True)
+        checkpoint.commit(Path(base), 2)
+        try:
+            checkpoint.Checkpointer(Path(base)).load_latest({"w": torch.zeros(4)})
+        except checkpoint.CheckpointError as error:
+            return str(error)
+        return None
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_save_with_the_optimizers_groups_by_position_is_refused_in_one_line(tmp_path):
+    """Such a save holds one pipeline stage's groups only; loaded, AdamW failed later with KeyError 'betas'."""
+    from helpers.launcher import launch
+
+    error = launch(_resume_a_save_with_groups_by_position, str(tmp_path), world_size=1, timeout=60,
+                   env={"CUDA_VISIBLE_DEVICES": ""})[0]
+    assert error is not None and "keeps the optimizer's groups by position" in error and len(error.splitlines()) == 1
