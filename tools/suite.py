@@ -4,7 +4,8 @@ usage: python -m tools.suite [--quick] [--under-load] [-- PYTEST ARGUMENTS]
 
 After pytest's own summary it prints the wall time, the user and system CPU of every process the run started
 (pytest, its xdist workers and all they started: torchrun and its ranks, notebook kernels, JupyterLab, Chromium),
-and the 15 slowest tests; with --quick, what the quick tier left out. The exit status is pytest's.
+the 15 tests that cost the most CPU (tools/suite_plugin.py says what it counts) and the 15 slowest;
+with --quick, what the quick tier left out. The exit status is pytest's.
 
 --quick        only the tests tests/conftest.py marks `quick` (pytest -m quick, joined to a -m of your own): what
                a developer runs after an edit, in a few minutes on 2 cores
@@ -292,6 +293,7 @@ def print_cost(wall: float, tree: Usage, reaper: Reaper, leftovers: list[str], s
         lines += [f"    {name}" for name in leftovers]
     if busy is not None:
         lines.append(f"  under load: {cores()} busy processes beside it, {busy.total:.1f} s of CPU, not counted above")
+    lines += costliest_lines(report.get("cpu", {}), report.get("durations", {}), tree)
     durations = sorted(report.get("durations", {}).items(), key=lambda item: -item[1])[:SLOWEST]
     if durations:
         lines.append(f"the {len(durations)} slowest tests (setup, call and teardown):")
@@ -299,6 +301,24 @@ def print_cost(wall: float, tree: Usage, reaper: Reaper, leftovers: list[str], s
     if quick:
         lines += left_out_lines(report.get("collected", {}), report.get("left_out", {}))
     print("\n".join(lines), flush=True)
+
+
+def costliest_lines(cpu: dict[str, list[float]], durations: dict[str, float], tree: Usage) -> list[str]:
+    """The SLOWEST tests that cost the most CPU, with the share of the suite's CPU all tests' own CPU makes up."""
+    if not cpu:
+        return []
+    spent = {test: Usage(*times) for test, times in cpu.items()}
+    in_tests = sum((u for u in spent.values()), Usage())
+    costliest = sorted(spent.items(), key=lambda item: -item[1].total)[:SLOWEST]
+    lines = [f"  CPU in the tests themselves: {in_tests.total:.1f} s (user {in_tests.user:.1f} s, system "
+             f"{in_tests.system:.1f} s) of {len(spent)} tests; the rest is pytest's collection and its workers' start",
+             f"the {len(costliest)} costliest tests by CPU (user+system, from its setup's start to its teardown's end, "
+             "of the pytest process that ran it and every process below it, ended or still running: the fork-server "
+             "and its workers, torchrun, notebook kernels, JupyterLab, Chromium; a fixture shared by several tests "
+             "counts in the test that made it):"]
+    lines += [f"  {u.total:7.1f} s CPU (user {u.user:6.1f}, system {u.system:5.1f}) {durations.get(test, 0.0):7.1f} s "
+              f"wall  {test}" for test, u in costliest]
+    return lines
 
 
 def left_out_lines(collected: dict[str, int], left_out: dict[str, int]) -> list[str]:
