@@ -127,6 +127,65 @@ def test_the_plugin_reports_nothing_unless_asked(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith((".", "__"))) == ["test_one.py"]
 
 
+CPU_INNER = """
+import pathlib, subprocess, sys, time
+
+HERE = pathlib.Path(__file__).parent
+BURN = '''
+import pathlib, resource, sys
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+while cpu() < 1.0:
+    pass
+pathlib.Path(sys.argv[1]).write_text(str(cpu()))
+'''
+# outlives the test that starts it, as the fork-server does, and reaps the child it burns in
+KEEPER = '''
+import pathlib, subprocess, sys
+subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]], check=True)
+pathlib.Path(sys.argv[3]).touch()
+sys.stdin.read()
+'''
+kept = []
+
+
+def test_burns_in_a_child_and_below_a_child_still_running():
+    subprocess.run([sys.executable, "-c", BURN, str(HERE / "child")], check=True)
+    kept.append(subprocess.Popen([sys.executable, "-c", KEEPER, BURN, str(HERE / "grandchild"), str(HERE / "reaped")],
+                                 stdin=subprocess.PIPE))
+    deadline = time.monotonic() + 300
+    while not (HERE / "reaped").exists():
+        assert kept[0].poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_ends_the_child_still_running():
+    kept[0].stdin.close()
+    assert kept[0].wait() == 0
+"""
+
+
+def test_each_tests_cpu_counts_its_children_and_what_a_running_child_reaped_once(tmp_path):
+    """Two tests under pytest-xdist (one worker, so in order): the first burns 1 s of CPU in a child it waits for
+    and 1 s in a grandchild below a child it leaves running; the second ends that child. The first must count both
+    seconds, the second neither again."""
+    (tmp_path / "test_inner.py").write_text(CPU_INNER)
+    done = subprocess.run([sys.executable, "-m", "tools.suite", "--", "-q", "-p", "no:cacheprovider", "-n", "1",
+                           "test_inner.py"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                          capture_output=True, text=True, timeout=WAIT_S, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    cpu = {m[2]: float(m[1]) for m in re.finditer(r"^ +([\d.]+) s CPU \(user .*? s wall +test_inner\.py::(\w+)$", out,
+                                                 re.M)}
+    first, second = "test_burns_in_a_child_and_below_a_child_still_running", "test_ends_the_child_still_running"
+    assert set(cpu) == {first, second}, out
+    burnt = sum(float((tmp_path / name).read_text()) for name in ("child", "grandchild"))
+    # printed to 0.1 s; beyond the 2 s burnt, the first test starts three interpreters (about 0.1 s of CPU each)
+    assert burnt - 0.1 <= cpu[first] < burnt + 2.0, out
+    assert cpu[second] < 0.5, "the grandchild's second, reaped by the child before this test, counts once, in the first"
+    in_tests = re.search(r"CPU in the tests themselves: ([\d.]+) s", out)
+    assert in_tests and float(in_tests[1]) >= cpu[first] + cpu[second] - 0.1, out
+
+
 def test_quick_joins_a_mark_expression_of_the_callers():
     assert quick_selection(["-n", "3", "tests/recipe"]) == ["-n", "3", "tests/recipe", "-m", "quick"]
     assert quick_selection(["-m", "not browser", "-k", "x"]) == ["-m", "quick and (not browser)", "-k", "x"]
