@@ -6,20 +6,21 @@ from pathlib import Path
 
 import pytest
 
-from tools.run_notebooks import NOTEBOOKS, OUTPUTS, execute_notebook, notebook_paths
-
-# Smoke mode must stay within a few minutes per notebook on 2 CPU cores.
-NOTEBOOK_TIMEOUT_S = 3600  # ten times the slowest smoke run here (09: 301 s, the 2-core machine loaded)
+from smoke_runs import NOTEBOOK_TIMEOUT_S
+from tools.run_notebooks import NOTEBOOKS, notebook_paths
 
 
 @pytest.mark.notebook
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
 @pytest.mark.parametrize("path", notebook_paths(), ids=lambda p: p.stem)
-def test_notebook_runs_in_smoke_mode(path: Path):
-    out, seconds = execute_notebook(path, smoke=True, out_dir=OUTPUTS / "smoke", cell_timeout=NOTEBOOK_TIMEOUT_S)
+def test_notebook_runs_in_smoke_mode(path: Path, smoke_runs, request):
+    """The session's one smoke run of the notebook (tests/notebooks/smoke_runs.py): this test's own, or the one
+    another test of the session made (test_site.py's), whose error, had there been one, fails this test too."""
+    out, made_by = smoke_runs.executed(path, request.node.nodeid)
     executed = json.loads(out.read_text())
     assert any(c.get("outputs") for c in executed["cells"] if c["cell_type"] == "code")
-    print(f"{path.name}: {seconds:.1f} s")
+    if made_by != request.node.nodeid:
+        print(f"{path.name}: the run {made_by} made in this session")
 
 
 def test_there_are_notebooks():
@@ -48,3 +49,31 @@ def test_every_parameter_is_one_papermill_can_override(path: Path):
     assigned = [line.split("=")[0].strip() for line in cell.source.splitlines()
                 if line and not line.startswith((" ", "#")) and "=" in line]
     assert [p.name for p in _infer_parameters(nb)] == assigned
+
+
+def test_a_notebook_runs_once_a_session_and_its_failure_fails_every_test_that_asks(tmp_path: Path):
+    """Two askers of each of two planted notebooks (SmokeRuns, as the fixture smoke_runs makes it): each notebook
+    runs once (it counts its runs in a file); the second asker of the failing one fails with the first one's error
+    rather than running it again."""
+    from smoke_runs import SmokeRuns
+
+    counter = tmp_path / "runs.txt"
+    for name, last in (("ok", "print('fine')"), ("fails", "raise ValueError('a planted failure')")):
+        cells = [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": "SMOKE = False"},
+                 {"cell_type": "code", "metadata": {}, "source": f"open({str(counter)!r}, 'a').write({name!r} + '\\n')"},
+                 {"cell_type": "code", "metadata": {}, "source": last}]
+        nb = {"cells": [{"id": f"c{i}", "execution_count": None, "outputs": [], **c} for i, c in enumerate(cells)],
+              "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+              "nbformat": 4, "nbformat_minor": 5}
+        (tmp_path / f"{name}.ipynb").write_text(json.dumps(nb))
+    (tmp_path / "runs").mkdir()
+    runs = SmokeRuns(tmp_path / "runs", out_dir=tmp_path / "executed")
+
+    first, second = (runs.executed(tmp_path / "ok.ipynb", asked_by) for asked_by in ("test one", "test two"))
+    assert first == second == (tmp_path / "executed" / "ok.ipynb", "test one")
+    assert "fine" in first[0].read_text()
+    with pytest.raises(Exception, match="a planted failure"):
+        runs.executed(tmp_path / "fails.ipynb", "test one")
+    with pytest.raises(pytest.fail.Exception, match="made by test one, failed:(.|\n)*a planted failure"):
+        runs.executed(tmp_path / "fails.ipynb", "test two")
+    assert counter.read_text().split() == ["ok", "fails"]

@@ -1,14 +1,17 @@
 """The site `./cookbook site` builds (tools/build_site.py), read in a real browser as a reader would, and its parts
 held to what they promise.
 
-The browser test executes notebook 00 in smoke mode with papermill (it has a figure, per-rank widget tabs and
-describe_machine's table), builds the site from that one executed copy, so the other notebooks must be listed as
-not yet executed, and serves it on 127.0.0.1 (a free port). Debian's headless Chromium, through chromedriver and
+The browser test takes the session's smoke run of notebook 09b (tests/notebooks/smoke_runs.py: papermill's, made by
+this test or by test_notebooks.py, whichever asks first; it has a figure, per-rank widget tabs and describe_machine's
+table), builds the site from that one executed copy, so the other notebooks must be listed as not yet executed, and
+serves it on 127.0.0.1 (a free port). Debian's headless Chromium, through chromedriver and
 Selenium as in test_browser.py, then opens the index and follows every link of every page: each internal one must
 answer 200 and name a file (so it also opens from file://), each #fragment an element of its page. Every figure must
 be decoded and drawn (not blank), nothing may come from another host, each notebook page must say the date, torch and
 machine of its run, and the search box must find a word of notebook 00 that the index lacks. Its cost, measured on
-the shared 2-core machine: the notebook 50 s (180 to 280 s at a load of 16), the build 20 to 30 s, the browser 10 s.
+the shared 2-core machine: the notebook 38 s and 12 s of CPU (none when test_notebooks.py ran it first), the build
+20 to 30 s, the browser 10 s. (Notebook 00, its notebook before, cost 39 s of CPU more, run a second time: the
+browser test runs 00 in JupyterLab.)
 
 Without /usr/bin/chromium, /usr/bin/chromedriver or selenium it skips, unless CI=true, where it fails. The other
 tests here need no browser and no kernel: they hold the parts, and one whole build (25 s), to executed notebooks
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import threading
 import time
 import urllib.error
@@ -32,7 +36,7 @@ from helpers.paths import NOTEBOOKS, REPO_ROOT
 from tools import build_site
 from tools.build_site import EXECUTED_ID, Execution, Readme
 
-BROWSED = "00_launching_workers"
+BROWSED = "09b_debugging_distributed_jobs"
 PAGE_S = 60  # one page loaded (local files; generous for a loaded machine)
 SEARCH_S = 120  # the search worker indexes every page first
 
@@ -284,13 +288,14 @@ def _search(driver, base: str, word: str) -> list[str]:
 
 @pytest.mark.browser
 @pytest.mark.timeout(60 * 60)  # 5 min at a load of 16 (the docstring): ten times that and more
-def test_the_site_reads_in_a_browser(tmp_path: Path, monkeypatch):
+def test_the_site_reads_in_a_browser(tmp_path: Path, monkeypatch, smoke_runs, request):
     from test_browser import DRAWN_INK, INK_JS, _chromium, _require_tools
-    from tools.run_notebooks import execute_notebook
 
     webdriver = _require_tools()
     started = time.monotonic()
-    executed_path, _ = execute_notebook(NOTEBOOKS / f"{BROWSED}.ipynb", smoke=True, out_dir=tmp_path / "executed")
+    run, _ = smoke_runs.executed(NOTEBOOKS / f"{BROWSED}.ipynb", request.node.nodeid)
+    (tmp_path / "executed").mkdir()
+    executed_path = Path(shutil.copy(run, tmp_path / "executed" / run.name))
     executed = json.loads(executed_path.read_text())
     ran = time.monotonic()
     site = tmp_path / "site"
