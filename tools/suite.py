@@ -303,6 +303,12 @@ def print_cost(wall: float, tree: Usage, reaper: Reaper, leftovers: list[str], s
     print("\n".join(lines), flush=True)
 
 
+def area_of(path: str) -> str:
+    """tests/AREA of a test file's path (a file outside an area: the path itself)."""
+    parts = path.split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 else path
+
+
 def costliest_lines(cpu: dict[str, list[float]], durations: dict[str, float], tree: Usage) -> list[str]:
     """The SLOWEST tests that cost the most CPU, with the share of the suite's CPU all tests' own CPU makes up."""
     if not cpu:
@@ -310,8 +316,13 @@ def costliest_lines(cpu: dict[str, list[float]], durations: dict[str, float], tr
     spent = {test: Usage(*times) for test, times in cpu.items()}
     in_tests = sum((u for u in spent.values()), Usage())
     costliest = sorted(spent.items(), key=lambda item: -item[1].total)[:SLOWEST]
+    by_area: dict[str, float] = {}
+    for test, u in spent.items():
+        by_area[area_of(test.split("::", 1)[0])] = by_area.get(area_of(test.split("::", 1)[0]), 0.0) + u.total
     lines = [f"  CPU in the tests themselves: {in_tests.total:.1f} s (user {in_tests.user:.1f} s, system "
-             f"{in_tests.system:.1f} s) of {len(spent)} tests; the rest is pytest's collection and its workers' start",
+             f"{in_tests.system:.1f} s) of {len(spent)} tests; the rest is pytest's collection, its workers' start "
+             "and the orphans",
+             "  by area: " + ", ".join(f"{a} {t:.1f} s" for a, t in sorted(by_area.items(), key=lambda i: -i[1])),
              f"the {len(costliest)} costliest tests by CPU (user+system, from its setup's start to its teardown's end, "
              "of the pytest process that ran it and every process below it, ended or still running: the fork-server "
              "and its workers, torchrun, notebook kernels, JupyterLab, Chromium; a fixture shared by several tests "
@@ -323,10 +334,7 @@ def costliest_lines(cpu: dict[str, list[float]], durations: dict[str, float], tr
 
 def left_out_lines(collected: dict[str, int], left_out: dict[str, int]) -> list[str]:
     """What the quick tier did not run, by area (tests/AREA) and, in areas it ran in part, by file."""
-    def area(path: str) -> str:
-        parts = path.split("/")
-        return "/".join(parts[:2]) if len(parts) > 2 else path
-
+    area = area_of
     total_left, total = sum(left_out.values()), sum(collected.values())
     lines = [f"--quick left out {total_left} of {total} tests (./cookbook test runs them all):"]
     areas = sorted({area(f) for f in collected})
